@@ -1,0 +1,133 @@
+//! Resolving model and dataset names to local files: a local path, or a Hugging Face repo id fetched with
+//! hf-hub into the usual cache, honouring HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE.
+
+use anyhow::{anyhow, bail, Result};
+use hf_hub::api::sync::{Api, ApiBuilder, ApiError};
+use hf_hub::{Cache, Repo, RepoType};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RepoKind {
+    Model,
+    Dataset,
+}
+
+/// `org/name` or `org/name@revision`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RepoId {
+    pub id: String,
+    pub revision: Option<String>,
+}
+
+impl RepoId {
+    /// None when `spec` does not have the shape of a repo id.
+    pub fn parse(spec: &str) -> Option<RepoId> {
+        let (id, revision) = match spec.split_once('@') {
+            Some((id, rev)) if !rev.is_empty() => (id, Some(rev.to_string())),
+            Some(_) => return None,
+            None => (spec, None),
+        };
+        let ok_part = |p: &str| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        let mut parts = id.split('/');
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(org), Some(name), None) if ok_part(org) && ok_part(name) && !org.starts_with('.') => {
+                Some(RepoId { id: id.to_string(), revision })
+            }
+            _ => None,
+        }
+    }
+
+    fn repo(&self, kind: RepoKind) -> Repo {
+        let t = match kind {
+            RepoKind::Model => RepoType::Model,
+            RepoKind::Dataset => RepoType::Dataset,
+        };
+        Repo::with_revision(self.id.clone(), t, self.revision.clone().unwrap_or_else(|| "main".into()))
+    }
+}
+
+pub struct Hub {
+    cache: Cache,
+    /// None when HF_HUB_OFFLINE is set: only the cache is consulted.
+    api: Option<Api>,
+    endpoint: String,
+}
+
+impl Hub {
+    pub fn from_env() -> Result<Hub> {
+        let cache = match std::env::var_os("HF_HUB_CACHE") {
+            Some(dir) => Cache::new(dir.into()),
+            None => Cache::from_env(),
+        };
+        let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
+        let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false" | "False"));
+        let api = if offline {
+            None
+        } else {
+            // HF_TOKEN wins over the token file in the cache, as in huggingface_hub.
+            let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()).or_else(|| cache.token());
+            let built = ApiBuilder::from_cache(cache.clone())
+                .with_endpoint(endpoint.clone())
+                .with_token(token)
+                .with_progress(false)
+                .build()
+                .map_err(|e| anyhow!("cannot set up the Hugging Face hub client: {e}"))?;
+            Some(built)
+        };
+        Ok(Hub { cache, api, endpoint })
+    }
+
+    pub fn is_offline(&self) -> bool {
+        self.api.is_none()
+    }
+
+    /// A file of a repo, from the cache or downloaded into it.
+    pub fn file(&self, kind: RepoKind, repo: &RepoId, file: &str) -> Result<PathBuf> {
+        self.optional_file(kind, repo, file)?.ok_or_else(|| anyhow!("{} has no file {file}", self.describe(kind, repo)))
+    }
+
+    /// Like `file`, but a file the repo does not have is `None` rather than an error.
+    pub fn optional_file(&self, kind: RepoKind, repo: &RepoId, file: &str) -> Result<Option<PathBuf>> {
+        let r = repo.repo(kind);
+        if let Some(path) = self.cache.repo(r.clone()).get(file) {
+            return Ok(Some(path));
+        }
+        let Some(api) = &self.api else {
+            bail!(
+                "{} file {file} is not in the cache at {} and HF_HUB_OFFLINE is set",
+                self.describe(kind, repo),
+                self.cache.path().display()
+            );
+        };
+        match api.repo(r).get(file) {
+            Ok(path) => Ok(Some(path)),
+            Err(ApiError::RequestError(e)) if matches!(*e, ureq::Error::StatusCode(404)) => Ok(None),
+            Err(e) => bail!("cannot fetch {file} from {} at {}: {e}", self.describe(kind, repo), self.endpoint),
+        }
+    }
+
+    fn describe(&self, kind: RepoKind, repo: &RepoId) -> String {
+        let what = match kind {
+            RepoKind::Model => "model repo",
+            RepoKind::Dataset => "dataset repo",
+        };
+        match &repo.revision {
+            Some(rev) => format!("{what} {}@{rev}", repo.id),
+            None => format!("{what} {}", repo.id),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repo_ids_parse_and_paths_do_not() {
+        assert_eq!(RepoId::parse("org/name"), Some(RepoId { id: "org/name".into(), revision: None }));
+        assert_eq!(RepoId::parse("org/name@v1.0").unwrap().revision.as_deref(), Some("v1.0"));
+        for not_a_repo in ["name", "a/b/c", "./x", "/abs/path", "org/", "org/name@", "../x", "a b/c"] {
+            assert_eq!(RepoId::parse(not_a_repo), None, "{not_a_repo}");
+        }
+    }
+}

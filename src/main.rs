@@ -1,0 +1,180 @@
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use frspec::chat::Message;
+use frspec::sampling::Sampling;
+use frspec::target::{Target, DEFAULT_MODEL};
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "frspec", version, about = "Measure what FR-Spec vocabulary pruning does to speculative-decoding acceptance")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// A named offline asset (smollm2), a .gguf/.safetensors file, a model folder, or a hub repo id (org/name[@rev]).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    model: String,
+    /// Compute device. This build computes on the CPU only.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+impl ModelArgs {
+    fn load(&self) -> Result<Target> {
+        if self.device != "cpu" {
+            bail!("--device {}: this build of frspec runs models on the CPU only (use --device cpu)", self.device);
+        }
+        Target::load(&self.model)
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Chat with the target model: prints the reply, token counts and tokens/s.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        prompt: String,
+        /// A system prompt; without one the chat template's default applies.
+        #[arg(long)]
+        system: Option<String>,
+        #[arg(long, default_value_t = 256)]
+        max_new_tokens: usize,
+        /// 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Teacher-forced scoring along a fixed token sequence: per position log p(next token) and the top-1 id.
+    Score {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Plain text, tokenized as written (special-token strings are matched).
+        #[arg(long, conflicts_with = "tokens_file", required_unless_present = "tokens_file")]
+        text_file: Option<PathBuf>,
+        /// A JSON array of token ids.
+        #[arg(long)]
+        tokens_file: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        /// Also write every position's logits as a float32 .npy of shape [n, vocab].
+        #[arg(long)]
+        logits_out: Option<PathBuf>,
+    },
+    /// Speed measurements.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Target-only decode and prefill tokens/s, and the cost of a block forward against a one-token forward.
+    Decode {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value = "What is the capital of France?")]
+        prompt: String,
+        #[arg(long, default_value_t = 64)]
+        new_tokens: usize,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        #[arg(long, default_value_t = 5)]
+        block: usize,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate { model, prompt, system, max_new_tokens, temperature, top_p, seed } => {
+            let sampling = Sampling::new(temperature, top_p)?;
+            let target = model.load()?;
+            let mut messages: Vec<Message> = system.iter().map(|s| Message::new("system", s)).collect();
+            messages.push(Message::new("user", &prompt));
+            let ids = target.tokenizer.chat_prompt(&messages)?;
+            let mut rng = ChaCha20Rng::seed_from_u64(seed);
+            let g = frspec::generate::generate(&target.model, &target.tokenizer, &ids, max_new_tokens, sampling, &mut rng)?;
+            let shown: Vec<u32> = g.tokens.iter().copied().filter(|t| !target.tokenizer.is_stop(*t)).collect();
+            println!("{}", target.tokenizer.decode(&shown)?);
+            eprintln!(
+                "prompt {} tokens, {:.1} tokens/s prefill; generated {} tokens, {:.1} tokens/s; stop: {:?}",
+                g.prompt_tokens,
+                g.prompt_tokens as f64 / g.prefill_secs,
+                g.tokens.len(),
+                g.tokens.len() as f64 / g.decode_secs.max(1e-9),
+                g.stop
+            );
+        }
+        Command::Score { model, text_file, tokens_file, json, logits_out } => {
+            let target = model.load()?;
+            let tokens = match (&text_file, &tokens_file) {
+                (Some(f), _) => {
+                    let text = std::fs::read_to_string(f).with_context(|| format!("cannot read text file {}", f.display()))?;
+                    target.tokenizer.encode(&text)?
+                }
+                (None, Some(f)) => read_token_file(f)?,
+                (None, None) => unreachable!("clap requires one of them"),
+            };
+            let score = frspec::score::score(&target.model, &tokens)?;
+            if let Some(path) = &logits_out {
+                write_npy(path, &score.logits, &[tokens.len() as u64, target.model.config.vocab as u64])?;
+            }
+            if json {
+                println!("{}", serde_json::to_string(&score)?);
+            } else {
+                println!("{:>5} {:>8} {:>10} {:>8}", "pos", "next", "logprob", "top1");
+                for p in &score.positions {
+                    println!("{:>5} {:>8} {:>10.4} {:>8}", p.pos, p.next_token, p.logprob, p.top1);
+                }
+                println!("perplexity {:.4} over {} positions", score.perplexity, score.positions.len());
+            }
+        }
+        Command::Bench(BenchCommand::Decode { model, prompt, new_tokens, runs, block, json }) => {
+            if runs == 0 || new_tokens == 0 || block == 0 {
+                bail!("--runs, --new-tokens and --block must be at least 1");
+            }
+            let target = model.load()?;
+            let b = frspec::bench::decode(&target, &prompt, new_tokens, runs, block)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&b)?);
+            } else {
+                println!("model {} ({} threads, median of {} runs)", target.source.display(), b.threads, b.runs);
+                println!("decode  {:>8.1} tokens/s  ({} new tokens)", b.decode_tok_s, b.new_tokens);
+                println!("prefill {:>8.1} tokens/s  ({} prompt tokens)", b.prefill_tok_s, b.prompt_tokens);
+                println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_token_file(path: &std::path::Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read tokens file {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of token ids", path.display()))
+}
+
+fn write_npy(path: &std::path::Path, values: &[f32], shape: &[u64]) -> Result<()> {
+    let file = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    use npyz::WriterBuilder;
+    let mut w = npyz::WriteOptions::<f32>::new().default_dtype().shape(shape).writer(std::io::BufWriter::new(file)).begin_nd()?;
+    w.extend(values.iter().copied())?;
+    w.finish()?;
+    Ok(())
+}

@@ -1,0 +1,548 @@
+//! The target model: Llama-family decoder (Llama 2/3/3.1, SmolLM2, Qwen2) on CPU.
+//!
+//! `forward` takes a block of new tokens at the cache's current length and returns, for every position of the
+//! block, the hidden state after the final norm (the LM-head input, which EAGLE drafts are fed), optionally the
+//! hidden states entering chosen layers (EAGLE-3), and logits only for the rows asked for. Every position is
+//! computed with the same arithmetic whether it arrives alone or in a block, so speculative verification of k+1
+//! tokens reproduces k+1 single-token steps bit for bit (tested).
+
+use crate::tensor::{dot, Matrix, MatmulScratch};
+use crate::weights::{Gguf, Safetensors, WeightSource};
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Deserialize;
+use std::path::Path;
+
+/// Which pairs of a head's dimensions RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (2i, 2i+1): GGUF llama files, whose Q/K rows the converter permuted.
+    Interleaved,
+    /// Halves (i, i + d/2): HF checkpoints and GGUF qwen2 (NeoX style).
+    Halves,
+}
+
+/// Llama-3.1's frequency-dependent RoPE rescaling.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Llama3RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub architecture: String,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    pub context_length: usize,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ffn_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A weight matrix with an optional bias (Qwen2's Q/K/V projections carry one).
+pub struct Linear {
+    pub weight: Matrix,
+    pub bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    fn forward(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+        self.weight.matmul(x, out, scratch);
+        if let Some(b) = &self.bias {
+            for row in out.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        }
+    }
+}
+
+pub struct Model {
+    pub config: Config,
+    embed: Matrix,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// None when the LM head is tied to the embedding.
+    lm_head: Option<Matrix>,
+    inv_freq: Vec<f32>,
+}
+
+/// What one forward pass returns.
+#[derive(Default, Debug)]
+pub struct Forward {
+    /// `[n, hidden]`: each position's last-layer output after the final norm.
+    pub hidden: Vec<f32>,
+    /// `[rows.len(), vocab]`: logits for the block rows that were asked for, in that order.
+    pub logits: Vec<f32>,
+    /// For each requested layer index, `[n, hidden]`: the residual stream entering that layer.
+    pub layer_inputs: Vec<Vec<f32>>,
+}
+
+/// Per-layer keys and values, `[position][kv_head][head_dim]`, plus the buffers a forward pass reuses.
+#[derive(Clone)]
+pub struct Cache {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    len: usize,
+    kv_width: usize,
+    work: Workspace,
+}
+
+#[derive(Clone, Default)]
+struct Workspace {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    scores: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    matmul: MatmulScratchCell,
+}
+
+/// `MatmulScratch` is not `Clone` (nothing in it is worth copying); a cloned cache starts with empty scratch.
+#[derive(Default)]
+struct MatmulScratchCell(MatmulScratch);
+
+impl Clone for MatmulScratchCell {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl Cache {
+    /// Number of positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Drop every position from `len` on (rejected speculative tokens). The kept prefix is not copied.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            self.len = len;
+            for (k, v) in self.keys.iter_mut().zip(&mut self.values) {
+                k.truncate(len * self.kv_width);
+                v.truncate(len * self.kv_width);
+            }
+        }
+    }
+}
+
+impl Model {
+    /// Load from a `.gguf` file, a `.safetensors` file or a folder holding config.json and safetensors.
+    pub fn load(path: &Path) -> Result<Model> {
+        if !path.exists() {
+            bail!("model file {} does not exist", path.display());
+        }
+        if path.extension().is_some_and(|e| e == "gguf") {
+            let gguf = Gguf::open(path)?;
+            let config = gguf_config(&gguf)?;
+            Model::build(config, &gguf)
+        } else {
+            let dir = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+            let config = hf_config(&dir.join("config.json"))?;
+            let st = Safetensors::open(path)?;
+            Model::build(config, &st)
+        }
+    }
+
+    /// Build from any weight source whose tensors follow the GGUF llama naming.
+    pub fn build(config: Config, src: &dyn WeightSource) -> Result<Model> {
+        let c = &config;
+        let linear = |name: &str, rows: usize, cols: usize| -> Result<Linear> {
+            let weight = src.matrix(&format!("{name}.weight"))?;
+            if (weight.rows, weight.cols) != (rows, cols) {
+                bail!(
+                    "{}: {name}.weight is [{}, {}], expected [{rows}, {cols}] from the model config",
+                    src.path().display(),
+                    weight.rows,
+                    weight.cols
+                );
+            }
+            let bias_name = format!("{name}.bias");
+            let bias = if src.contains(&bias_name) { Some(src.vector(&bias_name)?) } else { None };
+            Ok(Linear { weight, bias })
+        };
+        let norm = |name: &str| -> Result<Vec<f32>> {
+            let v = src.vector(name)?;
+            if v.len() != c.hidden {
+                bail!("{}: {name} has {} values, expected {}", src.path().display(), v.len(), c.hidden);
+            }
+            Ok(v)
+        };
+        let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let layers = (0..c.layers)
+            .map(|i| {
+                let p = format!("blk.{i}");
+                Ok(Layer {
+                    attn_norm: norm(&format!("{p}.attn_norm.weight"))?,
+                    q: linear(&format!("{p}.attn_q"), qd, c.hidden)?,
+                    k: linear(&format!("{p}.attn_k"), kvd, c.hidden)?,
+                    v: linear(&format!("{p}.attn_v"), kvd, c.hidden)?,
+                    o: linear(&format!("{p}.attn_output"), c.hidden, qd)?,
+                    ffn_norm: norm(&format!("{p}.ffn_norm.weight"))?,
+                    gate: linear(&format!("{p}.ffn_gate"), c.intermediate, c.hidden)?,
+                    up: linear(&format!("{p}.ffn_up"), c.intermediate, c.hidden)?,
+                    down: linear(&format!("{p}.ffn_down"), c.hidden, c.intermediate)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed = linear("token_embd", c.vocab, c.hidden)?.weight;
+        let lm_head = if src.contains("output.weight") { Some(linear("output", c.vocab, c.hidden)?.weight) } else { None };
+        let rope_freqs = if src.contains("rope_freqs.weight") { Some(src.vector("rope_freqs.weight")?) } else { None };
+        let inv_freq = inverse_frequencies(c, rope_freqs.as_deref());
+        let norm = norm("output_norm.weight")?;
+        Ok(Model { config, embed, layers, norm, lm_head, inv_freq })
+    }
+
+    pub fn embedding(&self) -> &Matrix {
+        &self.embed
+    }
+
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Keep only the first `n` layers (a truncated copy of the target is a real, if weak, draft model).
+    pub fn truncate_layers(&mut self, n: usize) -> Result<()> {
+        if n == 0 || n > self.layers.len() {
+            bail!("cannot keep {n} layers of a model with {}", self.layers.len());
+        }
+        self.layers.truncate(n);
+        self.config.layers = n;
+        Ok(())
+    }
+
+    pub fn new_cache(&self) -> Cache {
+        let c = &self.config;
+        Cache {
+            keys: vec![Vec::new(); c.layers],
+            values: vec![Vec::new(); c.layers],
+            len: 0,
+            kv_width: c.kv_heads * c.head_dim,
+            work: Workspace::default(),
+        }
+    }
+
+    /// Embedding rows of `tokens`, `[n, hidden]`.
+    pub fn embed_into(&self, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        let h = self.config.hidden;
+        out.resize(tokens.len() * h, 0.0);
+        for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(h)) {
+            if t as usize >= self.config.vocab {
+                bail!("token id {t} is outside the model's vocabulary of {}", self.config.vocab);
+            }
+            self.embed.row_into(t as usize, row);
+        }
+        Ok(())
+    }
+
+    /// Forward `tokens` at positions `cache.len()..`, appending their keys and values to the cache.
+    /// `logit_rows` are indices into the block; `capture_layers` are layer indices whose inputs to return.
+    pub fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
+        let c = &self.config;
+        let n = tokens.len();
+        if n == 0 {
+            bail!("forward called with no tokens");
+        }
+        let start = cache.len;
+        if start + n > c.context_length {
+            bail!("context limit: {} positions requested, the model allows {}", start + n, c.context_length);
+        }
+        if let Some(&r) = logit_rows.iter().find(|&&r| r >= n) {
+            bail!("logit row {r} is outside the block of {n} tokens");
+        }
+        if let Some(&l) = capture_layers.iter().find(|&&l| l >= c.layers) {
+            bail!("layer {l} does not exist (the model has {})", c.layers);
+        }
+        let (h, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let w = &mut cache.work;
+        self.embed_into(tokens, &mut w.x)?;
+        w.normed.resize(n * h, 0.0);
+        w.q.resize(n * qd, 0.0);
+        w.k.resize(n * kvd, 0.0);
+        w.v.resize(n * kvd, 0.0);
+        w.attn.resize(n * qd, 0.0);
+        w.proj.resize(n * h, 0.0);
+        w.gate.resize(n * c.intermediate, 0.0);
+        w.up.resize(n * c.intermediate, 0.0);
+        self.rope_tables(start, n, &mut w.cos, &mut w.sin);
+        let mut layer_inputs = vec![Vec::new(); capture_layers.len()];
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == li) {
+                layer_inputs[slot] = w.x.clone();
+            }
+            rms_norm(&w.x, &layer.attn_norm, c.rms_eps, &mut w.normed);
+            layer.q.forward(&w.normed, &mut w.q, &mut w.matmul.0);
+            layer.k.forward(&w.normed, &mut w.k, &mut w.matmul.0);
+            layer.v.forward(&w.normed, &mut w.v, &mut w.matmul.0);
+            for i in 0..n {
+                self.rope(&mut w.q[i * qd..(i + 1) * qd], &w.cos, &w.sin, i);
+                self.rope(&mut w.k[i * kvd..(i + 1) * kvd], &w.cos, &w.sin, i);
+            }
+            cache.keys[li].extend_from_slice(&w.k);
+            cache.values[li].extend_from_slice(&w.v);
+            self.attention(&w.q, &cache.keys[li], &cache.values[li], start, &mut w.scores, &mut w.attn);
+            layer.o.forward(&w.attn, &mut w.proj, &mut w.matmul.0);
+            w.x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
+
+            rms_norm(&w.x, &layer.ffn_norm, c.rms_eps, &mut w.normed);
+            layer.gate.forward(&w.normed, &mut w.gate, &mut w.matmul.0);
+            layer.up.forward(&w.normed, &mut w.up, &mut w.matmul.0);
+            w.gate.iter_mut().zip(&w.up).for_each(|(g, u)| *g = silu(*g) * u);
+            layer.down.forward(&w.gate, &mut w.proj, &mut w.matmul.0);
+            w.x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
+        }
+        cache.len = start + n;
+
+        let mut hidden = vec![0.0; n * h];
+        rms_norm(&w.x, &self.norm, c.rms_eps, &mut hidden);
+        let logits = self.logits(&hidden, logit_rows, &mut w.matmul.0);
+        Ok(Forward { hidden, logits, layer_inputs })
+    }
+
+    /// LM-head logits for the chosen rows of `hidden` (`[n, hidden]`).
+    fn logits(&self, hidden: &[f32], rows: &[usize], scratch: &mut MatmulScratch) -> Vec<f32> {
+        let (h, v) = (self.config.hidden, self.config.vocab);
+        if rows.is_empty() {
+            return Vec::new();
+        }
+        let picked: Vec<f32> = rows.iter().flat_map(|&r| &hidden[r * h..(r + 1) * h]).copied().collect();
+        let mut out = vec![0.0; rows.len() * v];
+        self.lm_head().matmul(&picked, &mut out, scratch);
+        out
+    }
+
+    /// cos/sin of every rotated pair for positions `start..start + n`, `[n, head_dim / 2]`.
+    fn rope_tables(&self, start: usize, n: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+        let half = self.inv_freq.len();
+        cos.resize(n * half, 0.0);
+        sin.resize(n * half, 0.0);
+        for i in 0..n {
+            let pos = (start + i) as f32;
+            for (j, f) in self.inv_freq.iter().enumerate() {
+                // The angle is formed in f32 as HF transformers does; cos/sin themselves are evaluated exactly.
+                let angle = (pos * f) as f64;
+                cos[i * half + j] = angle.cos() as f32;
+                sin[i * half + j] = angle.sin() as f32;
+            }
+        }
+    }
+
+    fn rope(&self, x: &mut [f32], cos: &[f32], sin: &[f32], row: usize) {
+        let d = self.config.head_dim;
+        let half = d / 2;
+        let (cos, sin) = (&cos[row * half..(row + 1) * half], &sin[row * half..(row + 1) * half]);
+        for head in x.chunks_exact_mut(d) {
+            for j in 0..half {
+                let (a, b) = match self.config.rope_style {
+                    RopeStyle::Interleaved => (2 * j, 2 * j + 1),
+                    RopeStyle::Halves => (j, j + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos[j] - x1 * sin[j];
+                head[b] = x1 * cos[j] + x0 * sin[j];
+            }
+        }
+    }
+
+    /// Causal attention of the block's queries over the cache. Each (query, head) is computed on its own, with
+    /// keys visited in position order, so the result does not depend on how the positions were grouped.
+    fn attention(&self, q: &[f32], keys: &[f32], values: &[f32], start: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+        let c = &self.config;
+        let (d, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim);
+        let group = c.heads / c.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let n = q.len() / qd;
+        for i in 0..n {
+            let visible = start + i + 1;
+            scores.resize(visible, 0.0);
+            for h in 0..c.heads {
+                let kvh = h / group;
+                let qh = &q[i * qd + h * d..i * qd + (h + 1) * d];
+                let mut max = f32::NEG_INFINITY;
+                for (j, s) in scores.iter_mut().enumerate() {
+                    *s = dot(qh, &keys[j * kvd + kvh * d..j * kvd + (kvh + 1) * d]) * scale;
+                    max = max.max(*s);
+                }
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let o = &mut out[i * qd + h * d..i * qd + (h + 1) * d];
+                o.fill(0.0);
+                for (j, s) in scores.iter().enumerate() {
+                    let p = s / sum;
+                    let vj = &values[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
+                    o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+                }
+            }
+        }
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// RMSNorm of each `[hidden]` row; the mean square is accumulated in f64 so row length does not cost accuracy.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let h = weight.len();
+    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let ms = row.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / h as f64;
+        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+        o.iter_mut().zip(row).zip(weight).for_each(|((o, v), w)| *o = w * (v * inv));
+    }
+}
+
+/// RoPE inverse frequencies, with Llama-3.1's rescaling from the config or GGUF's `rope_freqs` factors.
+fn inverse_frequencies(c: &Config, rope_freqs: Option<&[f32]>) -> Vec<f32> {
+    let d = c.head_dim;
+    let mut inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / d as f32)).collect();
+    if let Some(factors) = rope_freqs {
+        inv.iter_mut().zip(factors).for_each(|(f, s)| *f /= s);
+    } else if let Some(s) = &c.rope_scaling {
+        let low_wavelen = s.original_max_position_embeddings as f32 / s.low_freq_factor;
+        let high_wavelen = s.original_max_position_embeddings as f32 / s.high_freq_factor;
+        for f in inv.iter_mut() {
+            let wavelen = 2.0 * std::f32::consts::PI / *f;
+            *f = if wavelen < high_wavelen {
+                *f
+            } else if wavelen > low_wavelen {
+                *f / s.factor
+            } else {
+                let smooth = (s.original_max_position_embeddings as f32 / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * *f / s.factor + smooth * *f
+            };
+        }
+    }
+    inv
+}
+
+fn gguf_config(g: &Gguf) -> Result<Config> {
+    let arch = g.meta_str("general.architecture")?.to_string();
+    let rope_style = match arch.as_str() {
+        "llama" => RopeStyle::Interleaved,
+        "qwen2" => RopeStyle::Halves,
+        other => bail!("{}: architecture '{other}' is not supported (frspec reads llama and qwen2)", g.path().display()),
+    };
+    let key = |k: &str| format!("{arch}.{k}");
+    let hidden = g.meta_u32(&key("embedding_length"))? as usize;
+    let heads = g.meta_u32(&key("attention.head_count"))? as usize;
+    let kv_heads = g.meta_u32(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(heads);
+    let head_dim = g.meta_u32(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
+    let vocab = match g.meta_u32(&key("vocab_size")) {
+        Ok(v) => v as usize,
+        Err(_) => g.content.tensor_infos.get("token_embd.weight").map(|t| t.shape.dims()[0]).ok_or_else(|| {
+            anyhow!("{}: no {arch}.vocab_size and no token_embd.weight", g.path().display())
+        })?,
+    };
+    let config = Config {
+        hidden,
+        intermediate: g.meta_u32(&key("feed_forward_length"))? as usize,
+        layers: g.meta_u32(&key("block_count"))? as usize,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        rms_eps: g.meta_f32(&key("attention.layer_norm_rms_epsilon"))?,
+        rope_theta: g.meta_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
+        rope_style,
+        rope_scaling: None,
+        context_length: g.meta_u32(&key("context_length"))? as usize,
+        architecture: arch,
+    };
+    validate(&config, g.path())?;
+    Ok(config)
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
+    architectures: Option<Vec<String>>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: f32,
+    rope_theta: Option<f32>,
+    max_position_embeddings: usize,
+    rope_scaling: Option<serde_json::Value>,
+}
+
+pub fn hf_config(path: &Path) -> Result<Config> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read model config {}", path.display()))?;
+    let hf: HfConfig = serde_json::from_str(&text).with_context(|| format!("{} is not a valid model config", path.display()))?;
+    let arch = hf.architectures.as_ref().and_then(|a| a.first()).cloned().unwrap_or_default();
+    if !matches!(arch.as_str(), "LlamaForCausalLM" | "Qwen2ForCausalLM" | "MistralForCausalLM") {
+        bail!("{}: architecture '{arch}' is not supported (frspec reads LlamaForCausalLM and Qwen2ForCausalLM)", path.display());
+    }
+    let rope_scaling = match &hf.rope_scaling {
+        Some(v) if v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()) == Some("llama3") => Some(
+            serde_json::from_value::<Llama3RopeScaling>(v.clone())
+                .with_context(|| format!("{}: rope_scaling is not a valid llama3 scaling", path.display()))?,
+        ),
+        Some(serde_json::Value::Null) | None => None,
+        Some(v) => bail!("{}: rope_scaling {v} is not supported (only llama3)", path.display()),
+    };
+    let config = Config {
+        architecture: arch,
+        hidden: hf.hidden_size,
+        intermediate: hf.intermediate_size,
+        layers: hf.num_hidden_layers,
+        heads: hf.num_attention_heads,
+        kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
+        head_dim: hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+        vocab: hf.vocab_size,
+        rms_eps: hf.rms_norm_eps,
+        rope_theta: hf.rope_theta.unwrap_or(10_000.0),
+        rope_style: RopeStyle::Halves,
+        rope_scaling,
+        context_length: hf.max_position_embeddings,
+    };
+    validate(&config, path)?;
+    Ok(config)
+}
+
+fn validate(c: &Config, path: &Path) -> Result<()> {
+    if c.heads == 0 || c.kv_heads == 0 || c.heads % c.kv_heads != 0 {
+        bail!("{}: {} attention heads cannot share {} key/value heads", path.display(), c.heads, c.kv_heads);
+    }
+    if c.head_dim == 0 || c.head_dim % 2 != 0 || c.hidden == 0 || c.layers == 0 || c.vocab == 0 {
+        bail!("{}: implausible model dimensions {c:?}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,126 @@
+//! Small synthetic Llama models with deterministic random weights, written as a real HF model folder
+//! (config.json, model.safetensors, tokenizer.json, tokenizer_config.json). Tests and shape-only benchmarks
+//! use them; the weights come from a ChaCha stream because candle's CPU `randn` is not reproducible.
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Clone, Debug)]
+pub struct Shape {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub vocab: usize,
+    pub tied: bool,
+    pub qkv_bias: bool,
+}
+
+impl Shape {
+    /// A model small enough to check against a naive reference in milliseconds.
+    pub fn tiny() -> Shape {
+        Shape { hidden: 64, intermediate: 96, layers: 2, heads: 4, kv_heads: 2, vocab: 260, tied: false, qkv_bias: false }
+    }
+
+    fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+}
+
+/// HF-named f32 weights `name → (shape, values)`, deterministic in `seed`.
+pub fn weights(shape: &Shape, seed: u64) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = BTreeMap::new();
+    let (h, d) = (shape.hidden, shape.head_dim());
+    let mut add = |name: String, dims: Vec<usize>, scale: f32, offset: f32| {
+        let n: usize = dims.iter().product();
+        let values = (0..n).map(|_| offset + scale * rng.random_range(-1.0f32..1.0)).collect();
+        out.insert(name, (dims, values));
+    };
+    add("model.embed_tokens.weight".into(), vec![shape.vocab, h], 1.0, 0.0);
+    for l in 0..shape.layers {
+        let p = format!("model.layers.{l}");
+        let lin = 1.0 / (h as f32).sqrt();
+        add(format!("{p}.input_layernorm.weight"), vec![h], 0.2, 1.0);
+        add(format!("{p}.post_attention_layernorm.weight"), vec![h], 0.2, 1.0);
+        add(format!("{p}.self_attn.q_proj.weight"), vec![shape.heads * d, h], lin, 0.0);
+        add(format!("{p}.self_attn.k_proj.weight"), vec![shape.kv_heads * d, h], lin, 0.0);
+        add(format!("{p}.self_attn.v_proj.weight"), vec![shape.kv_heads * d, h], lin, 0.0);
+        if shape.qkv_bias {
+            add(format!("{p}.self_attn.q_proj.bias"), vec![shape.heads * d], 0.1, 0.0);
+            add(format!("{p}.self_attn.k_proj.bias"), vec![shape.kv_heads * d], 0.1, 0.0);
+            add(format!("{p}.self_attn.v_proj.bias"), vec![shape.kv_heads * d], 0.1, 0.0);
+        }
+        add(format!("{p}.self_attn.o_proj.weight"), vec![h, shape.heads * d], lin, 0.0);
+        add(format!("{p}.mlp.gate_proj.weight"), vec![shape.intermediate, h], lin, 0.0);
+        add(format!("{p}.mlp.up_proj.weight"), vec![shape.intermediate, h], lin, 0.0);
+        add(format!("{p}.mlp.down_proj.weight"), vec![h, shape.intermediate], 1.0 / (shape.intermediate as f32).sqrt(), 0.0);
+    }
+    add("model.norm.weight".into(), vec![h], 0.2, 1.0);
+    if !shape.tied {
+        add("lm_head.weight".into(), vec![shape.vocab, h], 1.0 / (h as f32).sqrt(), 0.0);
+    }
+    out
+}
+
+/// Write a complete HF model folder for `shape` with weights stored in `dtype` (f32, f16 or bf16).
+pub fn write_model(dir: &Path, shape: &Shape, seed: u64, dtype: DType) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let arch = if shape.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" };
+    let config = json!({
+        "architectures": [arch], "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": shape.tied,
+        "bos_token_id": 256, "eos_token_id": 257,
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let tensors = weights(shape, seed)
+        .into_iter()
+        .map(|(name, (dims, values))| Ok((name, Tensor::from_vec(values, dims, &Device::Cpu)?.to_dtype(dtype)?)))
+        .collect::<Result<std::collections::HashMap<_, _>>>()?;
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    write_byte_tokenizer(dir)
+}
+
+/// A byte-level BPE tokenizer with no merges (one token per byte, ids 0..256) and two ChatML specials
+/// (256 `<|im_start|>`, 257 `<|im_end|>`), with a ChatML template.
+pub fn write_byte_tokenizer(dir: &Path) -> Result<()> {
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0u8..=255).map(|b| (byte_char(b).to_string(), json!(b as u32))).collect();
+    let special = |id: u32, content: &str| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+               "normalized": false, "special": true})
+    };
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null, "post_processor": null,
+        "added_tokens": [special(256, "<|im_start|>"), special(257, "<|im_end|>")],
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []},
+    });
+    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tokenizer)?)?;
+    let template = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + \
+                    '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    let config = json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": template});
+    std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}
+
+/// GPT-2's byte → printable character map, which byte-level BPE vocabularies are written in.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(b) {
+        return b as char;
+    }
+    let shifted = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + shifted).expect("valid code point")
+}

@@ -1,0 +1,76 @@
+//! A target model with its tokenizer, resolved from a name: a named offline asset (`smollm2`), a local
+//! `.gguf` / `.safetensors` file or model folder, or a hub repo id (`org/name[@revision]`).
+
+use crate::assets;
+use crate::hub::{Hub, RepoId, RepoKind};
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use crate::weights::{safetensors_files, Gguf};
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// The model the CLI uses when none is named.
+pub const DEFAULT_MODEL: &str = "smollm2";
+
+pub struct Target {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// Where the weights came from (for reports).
+    pub source: PathBuf,
+}
+
+impl Target {
+    pub fn load(spec: &str) -> Result<Target> {
+        let path = resolve(spec)?;
+        let model = Model::load(&path)?;
+        let tokenizer = if path.extension().is_some_and(|e| e == "gguf") {
+            Tokenizer::from_gguf(&Gguf::open(&path)?)?
+        } else {
+            let dir = if path.is_dir() { path.clone() } else { path.parent().unwrap_or(Path::new(".")).to_path_buf() };
+            Tokenizer::from_hf_dir(&dir)?
+        };
+        if tokenizer.vocab_size > model.config.vocab {
+            bail!(
+                "{}: the tokenizer has {} tokens but the model only {} embedding rows",
+                path.display(),
+                tokenizer.vocab_size,
+                model.config.vocab
+            );
+        }
+        Ok(Target { model, tokenizer, source: path })
+    }
+}
+
+/// The local file or folder holding the model named by `spec`; hub repos are downloaded first.
+pub fn resolve(spec: &str) -> Result<PathBuf> {
+    if let Some(named) = assets::named(spec) {
+        return named;
+    }
+    let local = Path::new(spec);
+    if local.exists() {
+        return Ok(local.to_path_buf());
+    }
+    let Some(repo) = RepoId::parse(spec) else {
+        bail!("model {spec}: no such file or folder, and not a hub repo id (org/name[@revision])");
+    };
+    let hub = Hub::from_env()?;
+    let config = hub.file(RepoKind::Model, &repo, "config.json")?;
+    for file in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        hub.optional_file(RepoKind::Model, &repo, file)?;
+    }
+    if let Some(index) = hub.optional_file(RepoKind::Model, &repo, "model.safetensors.index.json")? {
+        let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", index.display()))?;
+        let mut shards: Vec<&str> = json["weight_map"].as_object().into_iter().flatten().filter_map(|(_, v)| v.as_str()).collect();
+        shards.sort_unstable();
+        shards.dedup();
+        for shard in shards {
+            hub.file(RepoKind::Model, &repo, shard)?;
+        }
+    } else {
+        hub.file(RepoKind::Model, &repo, "model.safetensors")?;
+    }
+    let dir = config.parent().expect("a cached file lives in a snapshot folder").to_path_buf();
+    safetensors_files(&dir)?;
+    Ok(dir)
+}

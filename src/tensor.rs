@@ -1,0 +1,520 @@
+//! Weight matrices and the CPU kernels that multiply them.
+//!
+//! Why hand-written rather than candle's CPU ops: speculative verification forwards a block of k+1 tokens and
+//! must reproduce, bit for bit, what k+1 one-token forwards compute (greedy losslessness is tested exactly).
+//! candle's gemm and quantized paths pick different summation orders for one row and for many (measured in
+//! ../shared/reference/CRATES.md: up to 0.53 in a logit), quantize activations to 8 bits, and have no SIMD dot
+//! product for Q4_1. Here every output element is one `dot` of one weight row with one activation row, always
+//! in the same order, whatever the batch size or thread count; activations stay f32, so results follow an f32
+//! reference that dequantizes the weights.
+
+use half::f16;
+use rayon::prelude::*;
+
+/// Row storage of a `[rows, cols]` weight matrix. Quantized rows stay in their GGUF block layout.
+#[derive(Clone)]
+pub enum Storage {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Q4_0(Vec<BlockQ4_0>),
+    Q4_1(Vec<BlockQ4_1>),
+    Q8_0(Vec<BlockQ8_0>),
+}
+
+pub const QK: usize = 32;
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct BlockQ4_0 {
+    pub d: f16,
+    pub qs: [u8; QK / 2],
+}
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qs: [u8; QK / 2],
+}
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; QK],
+}
+
+/// A `[rows, cols]` matrix; `y = W x` for each activation row x.
+#[derive(Clone)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub storage: Storage,
+}
+
+impl Matrix {
+    pub fn dtype_name(&self) -> &'static str {
+        match self.storage {
+            Storage::F32(_) => "f32",
+            Storage::F16(_) => "f16",
+            Storage::Q4_0(_) => "q4_0",
+            Storage::Q4_1(_) => "q4_1",
+            Storage::Q8_0(_) => "q8_0",
+        }
+    }
+
+    /// Bytes the matrix occupies (what one full pass reads from memory).
+    pub fn bytes(&self) -> usize {
+        match &self.storage {
+            Storage::F32(v) => v.len() * 4,
+            Storage::F16(v) => v.len() * 2,
+            Storage::Q4_0(v) => v.len() * std::mem::size_of::<BlockQ4_0>(),
+            Storage::Q4_1(v) => v.len() * std::mem::size_of::<BlockQ4_1>(),
+            Storage::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
+        }
+    }
+
+    fn blocks_per_row(&self) -> usize {
+        self.cols / QK
+    }
+
+    /// Row `r` dequantized into `out` (embedding lookup).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let (c, nb) = (self.cols, self.blocks_per_row());
+        match &self.storage {
+            Storage::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
+            Storage::F16(v) => out.iter_mut().zip(&v[r * c..(r + 1) * c]).for_each(|(o, w)| *o = w.to_f32()),
+            Storage::Q4_0(v) => {
+                for (b, o) in v[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
+                    let d = b.d.to_f32();
+                    for j in 0..QK / 2 {
+                        o[j] = d * ((b.qs[j] & 0x0f) as f32 - 8.0);
+                        o[j + QK / 2] = d * ((b.qs[j] >> 4) as f32 - 8.0);
+                    }
+                }
+            }
+            Storage::Q4_1(v) => {
+                for (b, o) in v[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
+                    let (d, m) = (b.d.to_f32(), b.m.to_f32());
+                    for j in 0..QK / 2 {
+                        o[j] = d * (b.qs[j] & 0x0f) as f32 + m;
+                        o[j + QK / 2] = d * (b.qs[j] >> 4) as f32 + m;
+                    }
+                }
+            }
+            Storage::Q8_0(v) => {
+                for (b, o) in v[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
+                    let d = b.d.to_f32();
+                    o.iter_mut().zip(b.qs).for_each(|(o, q)| *o = d * q as f32);
+                }
+            }
+        }
+    }
+
+    /// The matrix made of the given rows, in that order, in the same storage (FR-Spec's sliced LM head).
+    pub fn select_rows(&self, ids: &[u32]) -> Matrix {
+        fn gather<T: Copy>(v: &[T], per_row: usize, ids: &[u32]) -> Vec<T> {
+            ids.iter().flat_map(|&r| &v[r as usize * per_row..(r as usize + 1) * per_row]).copied().collect()
+        }
+        let (c, nb) = (self.cols, self.blocks_per_row());
+        let storage = match &self.storage {
+            Storage::F32(v) => Storage::F32(gather(v, c, ids)),
+            Storage::F16(v) => Storage::F16(gather(v, c, ids)),
+            Storage::Q4_0(v) => Storage::Q4_0(gather(v, nb, ids)),
+            Storage::Q4_1(v) => Storage::Q4_1(gather(v, nb, ids)),
+            Storage::Q8_0(v) => Storage::Q8_0(gather(v, nb, ids)),
+        };
+        Matrix { rows: ids.len(), cols: self.cols, storage }
+    }
+
+    /// `out[b, r] = dot(W[r], x[b])` for `n = x.len() / cols` activation rows. Each weight row is unpacked once
+    /// for up to `GROUP` activation rows at a time; each output still follows the exact operation sequence of a
+    /// one-row product, so a block equals its rows done one by one, bit for bit.
+    /// `scratch` holds per-block activation sums (Q4_1) and the transposed result; it is reused between calls.
+    pub fn matmul(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+        let n = x.len() / self.cols;
+        debug_assert_eq!(x.len(), n * self.cols);
+        debug_assert_eq!(out.len(), n * self.rows);
+        let kernel = Kernel::detect();
+        scratch.block_sums.clear();
+        if let Storage::Q4_1(_) = self.storage {
+            scratch.block_sums.extend(x.chunks_exact(QK).map(|c| c.iter().sum::<f32>()));
+        }
+        let sums = &scratch.block_sums;
+        // Rows are split into chunks, one task each; the result is written row-major [rows, n] then transposed,
+        // so each task owns a contiguous slice of the output.
+        let rows_per_task = (self.rows / (4 * rayon::current_num_threads())).clamp(16, 1024);
+        let t = &mut scratch.transposed;
+        t.resize(self.rows * n, 0.0);
+        t.par_chunks_mut(rows_per_task * n).enumerate().for_each(|(task, chunk)| {
+            let first = task * rows_per_task;
+            for (i, row_out) in chunk.chunks_exact_mut(n).enumerate() {
+                let mut b = 0;
+                while b < n {
+                    let g = (n - b).min(GROUP);
+                    let xs = &x[b * self.cols..(b + g) * self.cols];
+                    let ss = if sums.is_empty() { sums } else { &sums[b * self.blocks_per_row()..(b + g) * self.blocks_per_row()] };
+                    self.row_dots(kernel, first + i, xs, ss, &mut row_out[b..b + g]);
+                    b += g;
+                }
+            }
+        });
+        for (r, row) in t.chunks_exact(n).enumerate() {
+            for (b, v) in row.iter().enumerate() {
+                out[b * self.rows + r] = *v;
+            }
+        }
+    }
+
+    /// Dots of row `r` with each of the `out.len()` (≤ GROUP) activation rows in `x`.
+    #[inline]
+    fn row_dots(&self, kernel: Kernel, r: usize, x: &[f32], block_sums: &[f32], out: &mut [f32]) {
+        let (c, nb) = (self.cols, self.blocks_per_row());
+        macro_rules! group {
+            ($f:ident, $w:expr) => {
+                match out.len() {
+                    1 => out.copy_from_slice(&$f::<1>(kernel, $w, x, block_sums)),
+                    2 => out.copy_from_slice(&$f::<2>(kernel, $w, x, block_sums)),
+                    3 => out.copy_from_slice(&$f::<3>(kernel, $w, x, block_sums)),
+                    _ => out.copy_from_slice(&$f::<4>(kernel, $w, x, block_sums)),
+                }
+            };
+        }
+        match &self.storage {
+            Storage::F32(v) => group!(dots_f32, &v[r * c..(r + 1) * c]),
+            Storage::F16(v) => group!(dots_f16, &v[r * c..(r + 1) * c]),
+            Storage::Q4_0(v) => group!(dots_q4_0, &v[r * nb..(r + 1) * nb]),
+            Storage::Q4_1(v) => group!(dots_q4_1, &v[r * nb..(r + 1) * nb]),
+            Storage::Q8_0(v) => group!(dots_q8_0, &v[r * nb..(r + 1) * nb]),
+        }
+    }
+}
+
+/// How many activation rows share one unpacking of a weight row (bounded by the 16 vector registers).
+const GROUP: usize = 4;
+
+/// Buffers `Matrix::matmul` reuses so the decode loop does not allocate per token.
+#[derive(Default)]
+pub struct MatmulScratch {
+    block_sums: Vec<f32>,
+    transposed: Vec<f32>,
+}
+
+/// Which dot-product implementation this CPU runs. Chosen once per process, so results never mix the two.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Kernel {
+    fn detect() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let avx2 = *AVX2.get_or_init(|| {
+                std::env::var_os("FRSPEC_NO_SIMD").is_none()
+                    && is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            });
+            if avx2 {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Scalar
+    }
+}
+
+/// Dot product of two f32 slices, with the same arithmetic as a weight row of f32 storage.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dots_f32::<1>(Kernel::detect(), a, b, &[])[0]
+}
+
+// Each `dots_*::<N>` computes N dot products of one weight row with N consecutive activation rows of `x`.
+// Output j depends only on the row and x[j], through the same operations for every N.
+
+fn dots_f32<const N: usize>(kernel: Kernel, w: &[f32], x: &[f32], _: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: Kernel::Avx2 is only chosen when the CPU reports avx2, fma and f16c.
+        return unsafe { avx2::dots_f32::<N>(w, x) };
+    }
+    let _ = kernel;
+    std::array::from_fn(|j| scalar_lanes(w.len(), |i| w[i] * x[j * w.len() + i]))
+}
+
+fn dots_f16<const N: usize>(kernel: Kernel, w: &[f16], x: &[f32], _: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: as above.
+        return unsafe { avx2::dots_f16::<N>(w, x) };
+    }
+    let _ = kernel;
+    std::array::from_fn(|j| scalar_lanes(w.len(), |i| w[i].to_f32() * x[j * w.len() + i]))
+}
+
+fn dots_q4_0<const N: usize>(kernel: Kernel, w: &[BlockQ4_0], x: &[f32], _: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: as above.
+        return unsafe { avx2::dots_q4_0::<N>(w, x) };
+    }
+    let _ = kernel;
+    let cols = w.len() * QK;
+    std::array::from_fn(|j| {
+        w.iter()
+            .zip(x[j * cols..(j + 1) * cols].chunks_exact(QK))
+            .map(|(b, xs)| {
+                let s: f32 = (0..QK / 2)
+                    .map(|i| ((b.qs[i] & 0x0f) as f32 - 8.0) * xs[i] + ((b.qs[i] >> 4) as f32 - 8.0) * xs[i + QK / 2])
+                    .sum();
+                b.d.to_f32() * s
+            })
+            .sum()
+    })
+}
+
+fn dots_q4_1<const N: usize>(kernel: Kernel, w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: as above.
+        return unsafe { avx2::dots_q4_1::<N>(w, x, block_sums) };
+    }
+    let _ = kernel;
+    let cols = w.len() * QK;
+    // Σ (d q + m) x = d Σ q x + m Σ x, with Σ x per block computed once per activation row.
+    std::array::from_fn(|j| {
+        w.iter()
+            .zip(x[j * cols..(j + 1) * cols].chunks_exact(QK))
+            .zip(&block_sums[j * w.len()..(j + 1) * w.len()])
+            .map(|((b, xs), s)| {
+                let qx: f32 =
+                    (0..QK / 2).map(|i| (b.qs[i] & 0x0f) as f32 * xs[i] + (b.qs[i] >> 4) as f32 * xs[i + QK / 2]).sum();
+                b.d.to_f32() * qx + b.m.to_f32() * s
+            })
+            .sum()
+    })
+}
+
+fn dots_q8_0<const N: usize>(kernel: Kernel, w: &[BlockQ8_0], x: &[f32], _: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: as above.
+        return unsafe { avx2::dots_q8_0::<N>(w, x) };
+    }
+    let _ = kernel;
+    let cols = w.len() * QK;
+    std::array::from_fn(|j| {
+        w.iter()
+            .zip(x[j * cols..(j + 1) * cols].chunks_exact(QK))
+            .map(|(b, xs)| b.d.to_f32() * b.qs.iter().zip(xs).map(|(q, x)| *q as f32 * x).sum::<f32>())
+            .sum()
+    })
+}
+
+/// Eight-lane accumulation in the scalar fallback, so it degrades gracefully on long rows.
+fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
+    let mut lanes = [0f32; 8];
+    for i in 0..n {
+        lanes[i % 8] += term(i);
+    }
+    lanes.iter().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Plain rows: two accumulators per activation row over 16-element steps, then a scalar tail.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dots_dense<const N: usize>(n: usize, x: &[f32], load: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> [f32; N] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        let mut i = 0;
+        while i + 16 <= n {
+            let w0 = load(i);
+            let w1 = load(i + 8);
+            for (j, a) in acc.iter_mut().enumerate() {
+                let xp = x.as_ptr().add(j * n + i);
+                a[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), a[0]);
+                a[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), a[1]);
+            }
+            i += 16;
+        }
+        std::array::from_fn(|j| {
+            let mut s = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
+            for t in i..n {
+                s += at(t) * x[j * n + t];
+            }
+            s
+        })
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_f32<const N: usize>(w: &[f32], x: &[f32]) -> [f32; N] {
+        dots_dense::<N>(w.len(), x, |i| _mm256_loadu_ps(w.as_ptr().add(i)), |i| w[i])
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_f16<const N: usize>(w: &[f16], x: &[f32]) -> [f32; N] {
+        dots_dense::<N>(
+            w.len(),
+            x,
+            |i| _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i) as *const __m128i)),
+            |i| w[i].to_f32(),
+        )
+    }
+
+    /// The 32 nibbles of a block, as four vectors of 8 f32 in element order (low nibbles are elements 0..16).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn nibbles(qs: &[u8; QK / 2]) -> [__m256; 4] {
+        let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(raw, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
+        ]
+    }
+
+    /// The 32 signed bytes of a Q8_0 block as four vectors of 8 f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn bytes(qs: &[i8; QK]) -> [__m256; 4] {
+        let p = qs.as_ptr();
+        std::array::from_fn(|k| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * k) as *const __m128i))))
+    }
+
+    /// Σ q_i x_i over one block, q given as four 8-lane vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block_qx(q: &[__m256; 4], x: *const f32) -> __m256 {
+        let p = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+        let p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x.add(8)), p);
+        let p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x.add(16)), p);
+        _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x.add(24)), p)
+    }
+
+    /// Block-quantized rows: `unpack` gives a block's values as 4×8 f32 and its scale; per activation row,
+    /// acc += scale · Σ q x, then `finish` adds any per-row term.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots_blocks<const N: usize, B>(
+        w: &[B],
+        x: &[f32],
+        unpack: impl Fn(&B) -> ([__m256; 4], f32),
+        finish: impl Fn(usize, f32) -> f32,
+    ) -> [f32; N] {
+        let cols = w.len() * QK;
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (i, b) in w.iter().enumerate() {
+            let (q, d) = unpack(b);
+            let d = _mm256_set1_ps(d);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(d, block_qx(&q, x.as_ptr().add(j * cols + i * QK)), *a);
+            }
+        }
+        std::array::from_fn(|j| finish(j, hsum(acc[j])))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots_q4_0<const N: usize>(w: &[BlockQ4_0], x: &[f32]) -> [f32; N] {
+        let eight = _mm256_set1_ps(8.0);
+        dots_blocks::<N, _>(w, x, |b| (nibbles(&b.qs).map(|v| _mm256_sub_ps(v, eight)), b.d.to_f32()), |_, s| s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots_q4_1<const N: usize>(w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+        let nb = w.len();
+        dots_blocks::<N, _>(
+            w,
+            x,
+            |b| (nibbles(&b.qs), b.d.to_f32()),
+            |j, s| s + w.iter().zip(&block_sums[j * nb..(j + 1) * nb]).map(|(b, bs)| b.m.to_f32() * bs).sum::<f32>(),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots_q8_0<const N: usize>(w: &[BlockQ8_0], x: &[f32]) -> [f32; N] {
+        dots_blocks::<N, _>(w, x, |b| (bytes(&b.qs), b.d.to_f32()), |_, s| s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn random_q4_1(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Matrix {
+        let blocks = (0..rows * cols / QK)
+            .map(|_| BlockQ4_1 {
+                d: f16::from_f32(rng.random_range(0.001..0.05)),
+                m: f16::from_f32(rng.random_range(-0.2..0.0)),
+                qs: std::array::from_fn(|_| rng.random()),
+            })
+            .collect();
+        Matrix { rows, cols, storage: Storage::Q4_1(blocks) }
+    }
+
+    fn dense(m: &Matrix) -> Vec<f32> {
+        let mut out = vec![0.0; m.rows * m.cols];
+        for (r, row) in out.chunks_exact_mut(m.cols).enumerate() {
+            m.row_into(r, row);
+        }
+        out
+    }
+
+    #[test]
+    fn quantized_matmul_matches_dequantized_reference_and_block_equals_rows() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let (rows, cols, n) = (70, 96, 5);
+        let m = random_q4_1(rows, cols, &mut rng);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut scratch = MatmulScratch::default();
+        let mut block = vec![0.0; n * rows];
+        m.matmul(&x, &mut block, &mut scratch);
+        let w = dense(&m);
+        for b in 0..n {
+            let xb = &x[b * cols..(b + 1) * cols];
+            let mut single = vec![0.0; rows];
+            m.matmul(xb, &mut single, &mut scratch);
+            assert_eq!(&block[b * rows..(b + 1) * rows], &single[..], "block row {b} differs from a single row");
+            for r in 0..rows {
+                let reference: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * xb[c] as f64).sum();
+                assert!((single[r] as f64 - reference).abs() < 1e-4, "row {r}: {} vs {reference}", single[r]);
+            }
+        }
+    }
+
+    #[test]
+    fn select_rows_keeps_the_chosen_rows_in_order() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let m = random_q4_1(10, 64, &mut rng);
+        let picked = m.select_rows(&[7, 2, 9]);
+        let (full, sub) = (dense(&m), dense(&picked));
+        assert_eq!(&sub[..64], &full[7 * 64..8 * 64]);
+        assert_eq!(&sub[64..128], &full[2 * 64..3 * 64]);
+        assert_eq!(&sub[128..], &full[9 * 64..10 * 64]);
+    }
+}
