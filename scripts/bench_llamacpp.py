@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import inspect
 import json
 import os
 import statistics
@@ -92,16 +93,18 @@ def bench_hf(model: Path, question: str, threads: int, new_tokens: int, runs: in
     text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                    tokenize=False)
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    # transformers 5.2x renamed the KV-cache argument / output field `past_key_values` to `cache`
+    cache_kw = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
 
     def one_run() -> dict:
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = m(ids, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[0, -1].argmax()
+            past, nxt = getattr(out, cache_kw), out.logits[0, -1].argmax()
             t1 = time.perf_counter()
             for _ in range(new_tokens):
-                out = m(nxt.view(1, 1), past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[0, -1].argmax()
+                out = m(nxt.view(1, 1), use_cache=True, **{cache_kw: past})
+                past, nxt = getattr(out, cache_kw), out.logits[0, -1].argmax()
             t2 = time.perf_counter()
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_tok_s": ids.shape[1] / (t1 - t0),
                 "decode_tok_s": new_tokens / (t2 - t1)}

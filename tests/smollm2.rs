@@ -1,0 +1,133 @@
+//! The real default target, SmolLM2-135M-Instruct (GGUF Q4_1), fetched by scripts/fetch-assets.sh.
+
+mod common;
+use common::asset;
+use frspec::chat::Message;
+use frspec::generate::{generate, StopReason};
+use frspec::sampling::Sampling;
+use frspec::target::Target;
+use rand::SeedableRng;
+use std::sync::OnceLock;
+
+fn target() -> &'static Target {
+    static T: OnceLock<Target> = OnceLock::new();
+    T.get_or_init(|| Target::load("smollm2").unwrap_or_else(|e| panic!("{e:#}")))
+}
+
+fn mt_bench_turns() -> Vec<(u64, Vec<String>)> {
+    std::fs::read_to_string(asset("mt-bench"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let turns = v["turns"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect();
+            (v["question_id"].as_u64().unwrap(), turns)
+        })
+        .collect()
+}
+
+#[test]
+fn answers_the_france_question() {
+    let t = target();
+    let prompt = t.tokenizer.chat_prompt(&[Message::new("user", "What is the capital of France?")]).unwrap();
+    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
+    let g = generate(&t.model, &t.tokenizer, &prompt, 32, Sampling::GREEDY, &mut rng).unwrap();
+    assert_eq!(g.stop, StopReason::EndOfTurn);
+    let text = t.tokenizer.decode(&g.tokens[..g.tokens.len() - 1]).unwrap();
+    assert_eq!(text, "The capital of France is Paris.");
+}
+
+#[test]
+fn chat_template_renders_the_default_system_prompt_without_bos() {
+    let t = target();
+    let text = t.tokenizer.chat_template.as_ref().unwrap().render(&[Message::new("user", "Hi")], true).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = t.tokenizer.chat_prompt(&[Message::new("user", "Hi")]).unwrap();
+    assert_eq!(t.tokenizer.token_text(ids[0]).as_deref(), Some("<|im_start|>"));
+    assert!(t.tokenizer.is_stop(t.tokenizer.encode("<|im_end|>").unwrap()[0]));
+}
+
+#[test]
+fn tokenizer_round_trips_every_mt_bench_turn() {
+    let t = target();
+    for (id, turns) in mt_bench_turns() {
+        for turn in turns {
+            let ids = t.tokenizer.encode(&turn).unwrap();
+            assert_eq!(t.tokenizer.decode(&ids).unwrap(), turn, "question {id}");
+        }
+    }
+}
+
+#[test]
+fn tokenizer_encodes_mt_bench_exactly_as_llama_cpp() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/fixtures/mtbench_smollm2_llamacpp_tokens.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let questions = mt_bench_turns();
+    let expected = fixture["questions"].as_array().unwrap();
+    assert_eq!(expected.len(), questions.len());
+    let t = target();
+    for ((id, turns), e) in questions.iter().zip(expected) {
+        assert_eq!(e["question_id"].as_u64(), Some(*id));
+        for (turn, ids) in turns.iter().zip(e["turns"].as_array().unwrap()) {
+            let want: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+            assert_eq!(t.tokenizer.encode(turn).unwrap(), want, "question {id}");
+        }
+    }
+}
+
+/// A chat prompt and 24 greedy tokens after it: the sequence the exactness tests run along.
+fn chat_sequence() -> Vec<u32> {
+    let t = target();
+    let (_, turns) = &mt_bench_turns()[0];
+    let mut tokens = t.tokenizer.chat_prompt(&[Message::new("user", &turns[0])]).unwrap();
+    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
+    let g = generate(&t.model, &t.tokenizer, &tokens, 24, Sampling::GREEDY, &mut rng).unwrap();
+    tokens.extend(g.tokens);
+    tokens
+}
+
+#[test]
+fn a_block_equals_single_token_forwards_bit_for_bit() {
+    let t = target();
+    let m = &t.model;
+    let seq = chat_sequence();
+    let split = seq.len() - 20;
+    let (h, v) = (m.config.hidden, m.config.vocab);
+    // Verification-sized blocks (1, 2, 5, 12) after the prompt against one token at a time.
+    let mut single = m.new_cache();
+    m.forward(&seq[..split], &mut single, &[], &[]).unwrap();
+    let mut blocks = single.clone();
+    let mut at = split;
+    for size in [1, 2, 5, 12] {
+        let rows: Vec<usize> = (0..size).collect();
+        let block = m.forward(&seq[at..at + size], &mut blocks, &rows, &[]).unwrap();
+        for i in 0..size {
+            let one = m.forward(&seq[at + i..at + i + 1], &mut single, &[0], &[]).unwrap();
+            assert_eq!(one.hidden, block.hidden[i * h..(i + 1) * h], "hidden at position {}", at + i);
+            assert_eq!(one.logits, block.logits[i * v..(i + 1) * v], "logits at position {}", at + i);
+        }
+        at += size;
+    }
+}
+
+#[test]
+fn truncate_and_refeed_equals_the_uninterrupted_run() {
+    let m = &target().model;
+    let seq = chat_sequence();
+    let n = seq.len();
+    let rows: Vec<usize> = (0..8).collect();
+    let mut straight = m.new_cache();
+    m.forward(&seq[..n - 8], &mut straight, &[], &[]).unwrap();
+    let mut rolled = straight.clone();
+    let want = m.forward(&seq[n - 8..], &mut straight, &rows, &[]).unwrap();
+    // Four wrong draft tokens are verified, rejected and dropped; then the true tokens follow.
+    m.forward(&[1, 2, 3, 4], &mut rolled, &[0, 1, 2, 3], &[]).unwrap();
+    rolled.truncate(n - 8);
+    let got = m.forward(&seq[n - 8..], &mut rolled, &rows, &[]).unwrap();
+    assert_eq!(got.hidden, want.hidden);
+    assert_eq!(got.logits, want.logits);
+}
