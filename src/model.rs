@@ -47,16 +47,17 @@ pub struct Config {
     pub context_length: usize,
 }
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    ffn_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+/// One Llama decoder layer. EAGLE-1's layer has no input norm (its input is already a projection).
+pub struct Layer {
+    pub attn_norm: Option<Vec<f32>>,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub ffn_norm: Vec<f32>,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
 }
 
 /// A weight matrix with an optional bias (Qwen2's Q/K/V projections carry one).
@@ -66,7 +67,7 @@ pub struct Linear {
 }
 
 impl Linear {
-    fn forward(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+    pub fn forward(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
         self.weight.matmul(x, out, scratch);
         if let Some(b) = &self.bias {
             for row in out.chunks_exact_mut(b.len()) {
@@ -76,14 +77,156 @@ impl Linear {
     }
 }
 
+/// The shapes and constants a decoder layer needs, shared by the target and by EAGLE heads.
+#[derive(Clone, Debug)]
+pub struct Geometry {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    pub rope_style: RopeStyle,
+    pub inv_freq: Vec<f32>,
+}
+
+impl Geometry {
+    pub fn new(c: &Config, rope_freqs: Option<&[f32]>) -> Geometry {
+        Geometry {
+            hidden: c.hidden,
+            intermediate: c.intermediate,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            rms_eps: c.rms_eps,
+            rope_style: c.rope_style,
+            inv_freq: inverse_frequencies(c, rope_freqs),
+        }
+    }
+
+    fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// cos/sin of every rotated pair for positions `start..start + n`, `[n, head_dim / 2]`.
+    fn rope_tables(&self, start: usize, n: usize, w: &mut Workspace) {
+        let half = self.inv_freq.len();
+        w.cos.resize(n * half, 0.0);
+        w.sin.resize(n * half, 0.0);
+        for i in 0..n {
+            let pos = (start + i) as f32;
+            for (j, f) in self.inv_freq.iter().enumerate() {
+                // The angle is formed in f32 as HF transformers does; cos/sin themselves are evaluated exactly.
+                let angle = (pos * f) as f64;
+                w.cos[i * half + j] = angle.cos() as f32;
+                w.sin[i * half + j] = angle.sin() as f32;
+            }
+        }
+    }
+
+    fn rope(&self, x: &mut [f32], cos: &[f32], sin: &[f32], row: usize) {
+        let d = self.head_dim;
+        let half = d / 2;
+        let (cos, sin) = (&cos[row * half..(row + 1) * half], &sin[row * half..(row + 1) * half]);
+        for head in x.chunks_exact_mut(d) {
+            for j in 0..half {
+                let (a, b) = match self.rope_style {
+                    RopeStyle::Interleaved => (2 * j, 2 * j + 1),
+                    RopeStyle::Halves => (j, j + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos[j] - x1 * sin[j];
+                head[b] = x1 * cos[j] + x0 * sin[j];
+            }
+        }
+    }
+
+    /// Causal attention of the block's queries over the cache. Each (query, head) is computed on its own, with
+    /// keys visited in position order, so the result does not depend on how the positions were grouped.
+    fn attention(&self, q: &[f32], kv: &LayerCache, start: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+        let (d, kvd, qd) = (self.head_dim, self.kv_width(), self.heads * self.head_dim);
+        let group = self.heads / self.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let n = q.len() / qd;
+        for i in 0..n {
+            let visible = start + i + 1;
+            scores.resize(visible, 0.0);
+            for h in 0..self.heads {
+                let kvh = h / group;
+                let qh = &q[i * qd + h * d..i * qd + (h + 1) * d];
+                let mut max = f32::NEG_INFINITY;
+                for (j, s) in scores.iter_mut().enumerate() {
+                    *s = dot(qh, &kv.keys[j * kvd + kvh * d..j * kvd + (kvh + 1) * d]) * scale;
+                    max = max.max(*s);
+                }
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let o = &mut out[i * qd + h * d..i * qd + (h + 1) * d];
+                o.fill(0.0);
+                for (j, s) in scores.iter().enumerate() {
+                    let p = s / sum;
+                    let vj = &kv.values[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
+                    o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+                }
+            }
+        }
+    }
+}
+
+impl Layer {
+    /// Advance the residual stream `x` (`[n, hidden]`, positions `start..`) through this layer, appending the
+    /// block's keys and values to `kv`. `w.cos`/`w.sin` must hold the rope tables for these positions.
+    pub fn forward(&self, g: &Geometry, x: &mut [f32], kv: &mut LayerCache, start: usize, w: &mut Workspace) {
+        let n = x.len() / g.hidden;
+        let (h, qd, kvd) = (g.hidden, g.heads * g.head_dim, g.kv_width());
+        w.normed.resize(n * h, 0.0);
+        w.q.resize(n * qd, 0.0);
+        w.k.resize(n * kvd, 0.0);
+        w.v.resize(n * kvd, 0.0);
+        w.attn.resize(n * qd, 0.0);
+        w.proj.resize(n * h, 0.0);
+        w.gate.resize(n * g.intermediate, 0.0);
+        w.up.resize(n * g.intermediate, 0.0);
+        let attn_in: &[f32] = match &self.attn_norm {
+            Some(norm) => {
+                rms_norm(x, norm, g.rms_eps, &mut w.normed);
+                &w.normed
+            }
+            None => x,
+        };
+        self.q.forward(attn_in, &mut w.q, &mut w.matmul.0);
+        self.k.forward(attn_in, &mut w.k, &mut w.matmul.0);
+        self.v.forward(attn_in, &mut w.v, &mut w.matmul.0);
+        for i in 0..n {
+            g.rope(&mut w.q[i * qd..(i + 1) * qd], &w.cos, &w.sin, i);
+            g.rope(&mut w.k[i * kvd..(i + 1) * kvd], &w.cos, &w.sin, i);
+        }
+        kv.keys.extend_from_slice(&w.k);
+        kv.values.extend_from_slice(&w.v);
+        g.attention(&w.q, kv, start, &mut w.scores, &mut w.attn);
+        self.o.forward(&w.attn, &mut w.proj, &mut w.matmul.0);
+        x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
+
+        rms_norm(x, &self.ffn_norm, g.rms_eps, &mut w.normed);
+        self.gate.forward(&w.normed, &mut w.gate, &mut w.matmul.0);
+        self.up.forward(&w.normed, &mut w.up, &mut w.matmul.0);
+        w.gate.iter_mut().zip(&w.up).for_each(|(a, u)| *a = silu(*a) * u);
+        self.down.forward(&w.gate, &mut w.proj, &mut w.matmul.0);
+        x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
+    }
+}
+
 pub struct Model {
     pub config: Config,
+    pub geometry: Geometry,
     embed: Matrix,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     /// None when the LM head is tied to the embedding.
     lm_head: Option<Matrix>,
-    inv_freq: Vec<f32>,
 }
 
 /// What one forward pass returns.
@@ -97,18 +240,32 @@ pub struct Forward {
     pub layer_inputs: Vec<Vec<f32>>,
 }
 
-/// Per-layer keys and values, `[position][kv_head][head_dim]`, plus the buffers a forward pass reuses.
+/// One layer's keys and values, `[position][kv_head][head_dim]`.
+#[derive(Clone, Default)]
+pub struct LayerCache {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl LayerCache {
+    fn truncate(&mut self, len: usize, kv_width: usize) {
+        self.keys.truncate(len * kv_width);
+        self.values.truncate(len * kv_width);
+    }
+}
+
+/// Keys and values of every layer plus the buffers a forward pass reuses.
 #[derive(Clone)]
 pub struct Cache {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    layers: Vec<LayerCache>,
     len: usize,
     kv_width: usize,
     work: Workspace,
 }
 
+/// Scratch buffers of a forward pass, kept between calls so decoding does not allocate per token.
 #[derive(Clone, Default)]
-struct Workspace {
+pub struct Workspace {
     x: Vec<f32>,
     normed: Vec<f32>,
     q: Vec<f32>,
@@ -135,6 +292,11 @@ impl Clone for MatmulScratchCell {
 }
 
 impl Cache {
+    /// An empty cache for `layers` layers of this geometry.
+    pub fn new(layers: usize, g: &Geometry) -> Cache {
+        Cache { layers: vec![LayerCache::default(); layers], len: 0, kv_width: g.kv_width(), work: Workspace::default() }
+    }
+
     /// Number of positions held.
     pub fn len(&self) -> usize {
         self.len
@@ -148,11 +310,28 @@ impl Cache {
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
             self.len = len;
-            for (k, v) in self.keys.iter_mut().zip(&mut self.values) {
-                k.truncate(len * self.kv_width);
-                v.truncate(len * self.kv_width);
+            for l in &mut self.layers {
+                l.truncate(len, self.kv_width);
             }
         }
+    }
+
+    /// Run `layers` over the residual stream `x` (`[n, hidden]`) at positions `len()..`, appending to the cache.
+    /// `capture(i, x)` sees the stream entering layer i.
+    pub fn advance(&mut self, g: &Geometry, layers: &[Layer], x: &mut [f32], mut capture: impl FnMut(usize, &[f32])) {
+        let n = x.len() / g.hidden;
+        let start = self.len;
+        g.rope_tables(start, n, &mut self.work);
+        for (i, (layer, kv)) in layers.iter().zip(&mut self.layers).enumerate() {
+            capture(i, x);
+            layer.forward(g, x, kv, start, &mut self.work);
+        }
+        self.len = start + n;
+    }
+
+    /// The scratch a caller may use for its own matmuls between forwards.
+    pub fn matmul_scratch(&mut self) -> &mut MatmulScratch {
+        &mut self.work.matmul.0
     }
 }
 
@@ -177,50 +356,13 @@ impl Model {
     /// Build from any weight source whose tensors follow the GGUF llama naming.
     pub fn build(config: Config, src: &dyn WeightSource) -> Result<Model> {
         let c = &config;
-        let linear = |name: &str, rows: usize, cols: usize| -> Result<Linear> {
-            let weight = src.matrix(&format!("{name}.weight"))?;
-            if (weight.rows, weight.cols) != (rows, cols) {
-                bail!(
-                    "{}: {name}.weight is [{}, {}], expected [{rows}, {cols}] from the model config",
-                    src.path().display(),
-                    weight.rows,
-                    weight.cols
-                );
-            }
-            let bias_name = format!("{name}.bias");
-            let bias = if src.contains(&bias_name) { Some(src.vector(&bias_name)?) } else { None };
-            Ok(Linear { weight, bias })
-        };
-        let norm = |name: &str| -> Result<Vec<f32>> {
-            let v = src.vector(name)?;
-            if v.len() != c.hidden {
-                bail!("{}: {name} has {} values, expected {}", src.path().display(), v.len(), c.hidden);
-            }
-            Ok(v)
-        };
-        let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-        let layers = (0..c.layers)
-            .map(|i| {
-                let p = format!("blk.{i}");
-                Ok(Layer {
-                    attn_norm: norm(&format!("{p}.attn_norm.weight"))?,
-                    q: linear(&format!("{p}.attn_q"), qd, c.hidden)?,
-                    k: linear(&format!("{p}.attn_k"), kvd, c.hidden)?,
-                    v: linear(&format!("{p}.attn_v"), kvd, c.hidden)?,
-                    o: linear(&format!("{p}.attn_output"), c.hidden, qd)?,
-                    ffn_norm: norm(&format!("{p}.ffn_norm.weight"))?,
-                    gate: linear(&format!("{p}.ffn_gate"), c.intermediate, c.hidden)?,
-                    up: linear(&format!("{p}.ffn_up"), c.intermediate, c.hidden)?,
-                    down: linear(&format!("{p}.ffn_down"), c.hidden, c.intermediate)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let embed = linear("token_embd", c.vocab, c.hidden)?.weight;
-        let lm_head = if src.contains("output.weight") { Some(linear("output", c.vocab, c.hidden)?.weight) } else { None };
+        let layers = (0..c.layers).map(|i| load_layer(src, c, &format!("blk.{i}"), true)).collect::<Result<Vec<_>>>()?;
+        let embed = load_linear(src, "token_embd", c.vocab, c.hidden)?.weight;
+        let lm_head = if src.contains("output.weight") { Some(load_linear(src, "output", c.vocab, c.hidden)?.weight) } else { None };
         let rope_freqs = if src.contains("rope_freqs.weight") { Some(src.vector("rope_freqs.weight")?) } else { None };
-        let inv_freq = inverse_frequencies(c, rope_freqs.as_deref());
-        let norm = norm("output_norm.weight")?;
-        Ok(Model { config, embed, layers, norm, lm_head, inv_freq })
+        let geometry = Geometry::new(c, rope_freqs.as_deref());
+        let norm = load_norm(src, "output_norm.weight", c.hidden)?;
+        Ok(Model { config, geometry, embed, layers, norm, lm_head })
     }
 
     pub fn embedding(&self) -> &Matrix {
@@ -242,14 +384,7 @@ impl Model {
     }
 
     pub fn new_cache(&self) -> Cache {
-        let c = &self.config;
-        Cache {
-            keys: vec![Vec::new(); c.layers],
-            values: vec![Vec::new(); c.layers],
-            len: 0,
-            kv_width: c.kv_heads * c.head_dim,
-            work: Workspace::default(),
-        }
+        Cache::new(self.config.layers, &self.geometry)
     }
 
     /// Embedding rows of `tokens`, `[n, hidden]`.
@@ -273,9 +408,8 @@ impl Model {
         if n == 0 {
             bail!("forward called with no tokens");
         }
-        let start = cache.len;
-        if start + n > c.context_length {
-            bail!("context limit: {} positions requested, the model allows {}", start + n, c.context_length);
+        if cache.len + n > c.context_length {
+            bail!("context limit: {} positions requested, the model allows {}", cache.len + n, c.context_length);
         }
         if let Some(&r) = logit_rows.iter().find(|&&r| r >= n) {
             bail!("logit row {r} is outside the block of {n} tokens");
@@ -283,50 +417,18 @@ impl Model {
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= c.layers) {
             bail!("layer {l} does not exist (the model has {})", c.layers);
         }
-        let (h, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
-        let w = &mut cache.work;
-        self.embed_into(tokens, &mut w.x)?;
-        w.normed.resize(n * h, 0.0);
-        w.q.resize(n * qd, 0.0);
-        w.k.resize(n * kvd, 0.0);
-        w.v.resize(n * kvd, 0.0);
-        w.attn.resize(n * qd, 0.0);
-        w.proj.resize(n * h, 0.0);
-        w.gate.resize(n * c.intermediate, 0.0);
-        w.up.resize(n * c.intermediate, 0.0);
-        self.rope_tables(start, n, &mut w.cos, &mut w.sin);
+        let mut x = std::mem::take(&mut cache.work.x);
+        self.embed_into(tokens, &mut x)?;
         let mut layer_inputs = vec![Vec::new(); capture_layers.len()];
-
-        for (li, layer) in self.layers.iter().enumerate() {
-            for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == li) {
-                layer_inputs[slot] = w.x.clone();
+        cache.advance(&self.geometry, &self.layers, &mut x, |i, stream| {
+            for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == i) {
+                layer_inputs[slot] = stream.to_vec();
             }
-            rms_norm(&w.x, &layer.attn_norm, c.rms_eps, &mut w.normed);
-            layer.q.forward(&w.normed, &mut w.q, &mut w.matmul.0);
-            layer.k.forward(&w.normed, &mut w.k, &mut w.matmul.0);
-            layer.v.forward(&w.normed, &mut w.v, &mut w.matmul.0);
-            for i in 0..n {
-                self.rope(&mut w.q[i * qd..(i + 1) * qd], &w.cos, &w.sin, i);
-                self.rope(&mut w.k[i * kvd..(i + 1) * kvd], &w.cos, &w.sin, i);
-            }
-            cache.keys[li].extend_from_slice(&w.k);
-            cache.values[li].extend_from_slice(&w.v);
-            self.attention(&w.q, &cache.keys[li], &cache.values[li], start, &mut w.scores, &mut w.attn);
-            layer.o.forward(&w.attn, &mut w.proj, &mut w.matmul.0);
-            w.x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
-
-            rms_norm(&w.x, &layer.ffn_norm, c.rms_eps, &mut w.normed);
-            layer.gate.forward(&w.normed, &mut w.gate, &mut w.matmul.0);
-            layer.up.forward(&w.normed, &mut w.up, &mut w.matmul.0);
-            w.gate.iter_mut().zip(&w.up).for_each(|(g, u)| *g = silu(*g) * u);
-            layer.down.forward(&w.gate, &mut w.proj, &mut w.matmul.0);
-            w.x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
-        }
-        cache.len = start + n;
-
-        let mut hidden = vec![0.0; n * h];
-        rms_norm(&w.x, &self.norm, c.rms_eps, &mut hidden);
-        let logits = self.logits(&hidden, logit_rows, &mut w.matmul.0);
+        });
+        let mut hidden = vec![0.0; n * c.hidden];
+        rms_norm(&x, &self.norm, c.rms_eps, &mut hidden);
+        cache.work.x = x;
+        let logits = self.logits(&hidden, logit_rows, cache.matmul_scratch());
         Ok(Forward { hidden, logits, layer_inputs })
     }
 
@@ -341,74 +443,46 @@ impl Model {
         self.lm_head().matmul(&picked, &mut out, scratch);
         out
     }
+}
 
-    /// cos/sin of every rotated pair for positions `start..start + n`, `[n, head_dim / 2]`.
-    fn rope_tables(&self, start: usize, n: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
-        let half = self.inv_freq.len();
-        cos.resize(n * half, 0.0);
-        sin.resize(n * half, 0.0);
-        for i in 0..n {
-            let pos = (start + i) as f32;
-            for (j, f) in self.inv_freq.iter().enumerate() {
-                // The angle is formed in f32 as HF transformers does; cos/sin themselves are evaluated exactly.
-                let angle = (pos * f) as f64;
-                cos[i * half + j] = angle.cos() as f32;
-                sin[i * half + j] = angle.sin() as f32;
-            }
-        }
+/// A `[rows, cols]` projection `name.weight` (with `name.bias` when present), checked against the config.
+pub fn load_linear(src: &dyn WeightSource, name: &str, rows: usize, cols: usize) -> Result<Linear> {
+    let weight = src.matrix(&format!("{name}.weight"))?;
+    if (weight.rows, weight.cols) != (rows, cols) {
+        bail!(
+            "{}: {name}.weight is [{}, {}], expected [{rows}, {cols}] from the model config",
+            src.path().display(),
+            weight.rows,
+            weight.cols
+        );
     }
+    let bias_name = format!("{name}.bias");
+    let bias = if src.contains(&bias_name) { Some(src.vector(&bias_name)?) } else { None };
+    Ok(Linear { weight, bias })
+}
 
-    fn rope(&self, x: &mut [f32], cos: &[f32], sin: &[f32], row: usize) {
-        let d = self.config.head_dim;
-        let half = d / 2;
-        let (cos, sin) = (&cos[row * half..(row + 1) * half], &sin[row * half..(row + 1) * half]);
-        for head in x.chunks_exact_mut(d) {
-            for j in 0..half {
-                let (a, b) = match self.config.rope_style {
-                    RopeStyle::Interleaved => (2 * j, 2 * j + 1),
-                    RopeStyle::Halves => (j, j + half),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * cos[j] - x1 * sin[j];
-                head[b] = x1 * cos[j] + x0 * sin[j];
-            }
-        }
+pub fn load_norm(src: &dyn WeightSource, name: &str, hidden: usize) -> Result<Vec<f32>> {
+    let v = src.vector(name)?;
+    if v.len() != hidden {
+        bail!("{}: {name} has {} values, expected {hidden}", src.path().display(), v.len());
     }
+    Ok(v)
+}
 
-    /// Causal attention of the block's queries over the cache. Each (query, head) is computed on its own, with
-    /// keys visited in position order, so the result does not depend on how the positions were grouped.
-    fn attention(&self, q: &[f32], keys: &[f32], values: &[f32], start: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
-        let c = &self.config;
-        let (d, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim);
-        let group = c.heads / c.kv_heads;
-        let scale = 1.0 / (d as f32).sqrt();
-        let n = q.len() / qd;
-        for i in 0..n {
-            let visible = start + i + 1;
-            scores.resize(visible, 0.0);
-            for h in 0..c.heads {
-                let kvh = h / group;
-                let qh = &q[i * qd + h * d..i * qd + (h + 1) * d];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    *s = dot(qh, &keys[j * kvd + kvh * d..j * kvd + (kvh + 1) * d]) * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out[i * qd + h * d..i * qd + (h + 1) * d];
-                o.fill(0.0);
-                for (j, s) in scores.iter().enumerate() {
-                    let p = s / sum;
-                    let vj = &values[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
-                    o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
-                }
-            }
-        }
-    }
+/// Decoder layer `prefix` (GGUF naming); `input_norm` false for EAGLE-1's first layer, which has none.
+pub fn load_layer(src: &dyn WeightSource, c: &Config, prefix: &str, input_norm: bool) -> Result<Layer> {
+    let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    Ok(Layer {
+        attn_norm: if input_norm { Some(load_norm(src, &format!("{prefix}.attn_norm.weight"), c.hidden)?) } else { None },
+        q: load_linear(src, &format!("{prefix}.attn_q"), qd, c.hidden)?,
+        k: load_linear(src, &format!("{prefix}.attn_k"), kvd, c.hidden)?,
+        v: load_linear(src, &format!("{prefix}.attn_v"), kvd, c.hidden)?,
+        o: load_linear(src, &format!("{prefix}.attn_output"), c.hidden, qd)?,
+        ffn_norm: load_norm(src, &format!("{prefix}.ffn_norm.weight"), c.hidden)?,
+        gate: load_linear(src, &format!("{prefix}.ffn_gate"), c.intermediate, c.hidden)?,
+        up: load_linear(src, &format!("{prefix}.ffn_up"), c.intermediate, c.hidden)?,
+        down: load_linear(src, &format!("{prefix}.ffn_down"), c.hidden, c.intermediate)?,
+    })
 }
 
 fn silu(x: f32) -> f32 {
