@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""llama.cpp speed on the SmolLM2 GGUF, as a yardstick for `frspec bench` (run side by side, same threads).
+"""llama.cpp speed on the SmolLM2 GGUF, as a yardstick for `frspec bench` (same model, machine and threads).
 
 Why: frspec's decode / prefill tokens/s only mean something next to a known-good engine on the same model file,
 machine and thread count. This measures llama.cpp through llama-cpp-python with a minimal Python loop (argmax over
@@ -9,10 +9,14 @@ Protocol: the chat prompt for --question (rendered with the GGUF's own chat temp
 generation prompt; no extra BOS) is prefilled from an empty context (reset every run) and timed: prefill tok/s =
 prompt tokens / time. Then --new-tokens greedy tokens are decoded one at a time, ignoring end-of-turn (like
 llama-bench's tg): decode tok/s = new tokens / time of those single-token evaluations. One warm-up run, then the
-median of --runs runs. Optionally (--hf) the same greedy decode with HF transformers in float32.
+median of --runs runs (and the best run). Optionally (--hf) the same greedy decode with HF transformers in f32.
+
+Run it one after the other with `frspec bench`, never at the same time, on an otherwise idle machine: with 2 threads
+on 2 cores, any other busy process (a cargo build) cuts llama.cpp's decode rate by 10-30x in some runs.
+--wait-idle waits for that; the JSON records the CPU use seen just before (cpu_busy_before) and the load average.
 
 Prints one JSON object on stdout; progress goes to stderr. Run in the venv made by scripts/setup-numerics-env.sh:
-    ~/.cache/frspec-py/bin/python scripts/bench_llamacpp.py [--threads 2] [--runs 5] [--hf]
+    ~/.cache/frspec-py/bin/python scripts/bench_llamacpp.py [--threads 2] [--runs 5] [--hf] [--wait-idle 300]
 """
 from __future__ import annotations
 
@@ -39,6 +43,27 @@ def render_chat(template: str, question: str) -> str:
     env = jinja2.Environment(loader=jinja2.BaseLoader(), trim_blocks=False, lstrip_blocks=False)
     return env.from_string(template).render(messages=[{"role": "user", "content": question}],
                                             add_generation_prompt=True)
+
+
+def cpu_busy(interval: float = 1.0) -> float:
+    """Fraction of all CPUs busy over `interval` seconds (from /proc/stat), i.e. what other processes use."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+    t0, i0 = snap()
+    time.sleep(interval)
+    t1, i1 = snap()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_idle(max_wait: float, threshold: float = 0.10) -> float:
+    """Wait up to max_wait seconds for the machine to be idle (busy < threshold); return the last busy fraction."""
+    deadline = time.time() + max_wait
+    busy = cpu_busy()
+    while busy >= threshold and time.time() < deadline:
+        busy = cpu_busy(2.0)
+    return busy
 
 
 def bench_llamacpp(model: Path, question: str, threads: int, new_tokens: int, runs: int,
@@ -77,8 +102,12 @@ def bench_llamacpp(model: Path, question: str, threads: int, new_tokens: int, ru
     for r in results:
         del r["tokens"]
     return {"engine": f"llama.cpp (llama-cpp-python {md.version('llama_cpp_python')})",
+            "llama_cpp_python_version": md.version("llama_cpp_python"),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in results),
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in results),
+            # best run: the least disturbed by other processes (2 spinning threads on 2 cores collapse under load)
+            "decode_tok_s_best": max(r["decode_tok_s"] for r in results),
+            "prefill_tok_s_best": max(r["prefill_tok_s"] for r in results),
             "prompt_tokens": len(ids), "new_tokens": new_tokens, "threads": threads, "flash_attn": flash_attn,
             "first_tokens_text": text, "runs": [{k: round(v, 4) for k, v in r.items()} for r in results]}
 
@@ -114,6 +143,7 @@ def bench_hf(model: Path, question: str, threads: int, new_tokens: int, runs: in
     return {"engine": f"HF transformers {md.version('transformers')} f32 (torch {md.version('torch')})",
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in results),
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in results),
+            "decode_tok_s_best": max(r["decode_tok_s"] for r in results),
             "prompt_tokens": int(ids.shape[1]), "runs": [{k: round(v, 4) for k, v in r.items()} for r in results]}
 
 
@@ -127,10 +157,13 @@ def main() -> None:
     ap.add_argument("--flash-attn", action="store_true", help="llama.cpp flash attention (off by default)")
     ap.add_argument("--hf", action="store_true", help="also measure HF transformers f32 (slow to load)")
     ap.add_argument("--hf-runs", type=int, default=3)
+    ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                    help="first wait up to this long for other processes' CPU use to drop below 10%%")
     args = ap.parse_args()
     if args.runs < 1:
         ap.error("--runs must be >= 1")
 
+    busy_before = wait_idle(args.wait_idle) if args.wait_idle > 0 else cpu_busy()
     t = time.time()
     res = bench_llamacpp(args.model, args.question, args.threads, args.new_tokens, args.runs, args.flash_attn)
     print(f"llama.cpp: decode {res['decode_tok_s']:.1f} tok/s, prefill {res['prefill_tok_s']:.1f} tok/s "
@@ -138,10 +171,9 @@ def main() -> None:
     if args.hf:
         res["hf"] = bench_hf(args.model, args.question, args.threads, args.new_tokens, args.hf_runs)
         print(f"HF f32: decode {res['hf']['decode_tok_s']:.1f} tok/s", file=sys.stderr)
-    try:
-        res["loadavg_1m"] = os.getloadavg()[0]  # a busy machine skews the figures: keep the evidence
-    except OSError:
-        pass
+    # Another busy process skews the figures badly (2 threads on 2 cores): keep the evidence with the result.
+    res["cpu_busy_before"] = round(busy_before, 3)
+    res["loadavg_1m"] = os.getloadavg()[0]
     print(json.dumps(res))
 
 

@@ -284,13 +284,24 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
     ap.add_argument("--out", type=Path, default=Path("results/numerics"))
+    ap.add_argument("--sequences", type=Path, help="fixed sequences file (default: OUT/sequences.json; "
+                    "made there when missing)")
     ap.add_argument("--frspec", default="frspec", help="frspec binary (default: `frspec` on PATH)")
     ap.add_argument("--skip-frspec", action="store_true", help="compare HF vs llama.cpp only")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--force", action="store_true",
+                    help="with --skip-frspec, overwrite a report that has frspec figures in it")
     args = ap.parse_args()
     t0 = time.time()
+
+    old_report = args.out / "numerics.json"
+    if args.skip_frspec and not args.force and old_report.exists():
+        if any(k.startswith("frspec") for k in json.loads(old_report.read_text()).get("summary", {})):
+            raise SystemExit(f"{old_report} has frspec figures that --skip-frspec would drop: pass --out DIR "
+                             f"(with --sequences {args.out / 'sequences.json'} to keep the same sequences) "
+                             "or --force")
 
     frspec_bin = None
     if not args.skip_frspec:
@@ -300,7 +311,7 @@ def main() -> None:
                              "or use --skip-frspec)")
         frspec_bin = str(Path(frspec_bin).resolve())
 
-    seq_path = args.out / "sequences.json"
+    seq_path = args.sequences or args.out / "sequences.json"
     hf = HF(args.model, args.threads)
     seqs = load_or_make_sequences(seq_path, hf, args.model, args.questions, args.prompts, args.new_tokens)
     n_ctx = max(512, max(len(s["tokens"]) for s in seqs))

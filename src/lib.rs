@@ -7,6 +7,8 @@
 pub mod assets;
 pub mod bench;
 pub mod chat;
+pub mod decode;
+pub mod draft;
 pub mod generate;
 pub mod hub;
 pub mod model;
@@ -16,4 +18,5 @@ pub mod synthetic;
 pub mod target;
 pub mod tensor;
 pub mod tokenizer;
+pub mod vocab;
 pub mod weights;

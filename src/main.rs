@@ -1,7 +1,10 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use frspec::chat::Message;
+use frspec::decode::{speculative_turn, SpecConfig};
+use frspec::draft::{DraftHead, DraftKind, DraftMode, HeadMode};
 use frspec::sampling::Sampling;
+use frspec::vocab::{Frequencies, KeepRule, KeepSet};
 use frspec::target::{Target, DEFAULT_MODEL};
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
@@ -33,6 +36,64 @@ impl ModelArgs {
     }
 }
 
+/// Speculative decoding: the draft, its pruned head and how it proposes.
+#[derive(clap::Args)]
+struct SpecArgs {
+    /// Draft: an EAGLE-1 head folder or repo, or a draft model; absent with --draft-kind truncated:N.
+    #[arg(long)]
+    draft: Option<String>,
+    /// eagle | model | truncated:N. Without it and without --draft, decoding is target-only.
+    #[arg(long)]
+    draft_kind: Option<DraftKind>,
+    /// Token frequencies that rank the vocabulary for pruning (frspec, FR-Spec or vLLM format).
+    #[arg(long)]
+    freq: Option<PathBuf>,
+    /// Fraction of the vocabulary to prune from the draft head, in [0, 1).
+    #[arg(long, conflicts_with = "keep")]
+    ratio: Option<f64>,
+    /// Number of most frequent ids the draft head keeps.
+    #[arg(long)]
+    keep: Option<usize>,
+    /// Draft tokens per step.
+    #[arg(long, default_value_t = 4)]
+    k: usize,
+    #[arg(long, value_enum, default_value = "argmax")]
+    draft_mode: DraftMode,
+    #[arg(long, value_enum, default_value = "slice")]
+    head: HeadMode,
+}
+
+impl SpecArgs {
+    fn enabled(&self) -> bool {
+        self.draft.is_some() || self.draft_kind.is_some()
+    }
+
+    fn keep_rule(&self) -> Option<KeepRule> {
+        match (self.ratio, self.keep) {
+            (Some(r), _) => Some(KeepRule::Ratio(r)),
+            (None, Some(k)) => Some(KeepRule::Keep(k)),
+            (None, None) => None,
+        }
+    }
+
+    /// The keep set for `target`, or None for the full head.
+    fn keep_set(&self, target: &Target) -> Result<Option<KeepSet>> {
+        let Some(rule) = self.keep_rule() else {
+            if self.freq.is_some() {
+                bail!("--freq needs --ratio or --keep");
+            }
+            return Ok(None);
+        };
+        rule.validate()?;
+        if rule == KeepRule::Ratio(0.0) {
+            return Ok(None);
+        }
+        let freq = self.freq.as_ref().ok_or_else(|| anyhow::anyhow!("--ratio/--keep need --freq"))?;
+        let freqs = Frequencies::load(freq)?;
+        Ok(Some(freqs.keep_set(rule, target.model.config.vocab, &target.tokenizer.stop_ids)?))
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Chat with the target model: prints the reply, token counts and tokens/s.
@@ -53,6 +114,8 @@ enum Command {
         top_p: f32,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        #[command(flatten)]
+        spec: SpecArgs,
     },
     /// Teacher-forced scoring along a fixed token sequence: per position log p(next token) and the top-1 id.
     Score {
@@ -103,24 +166,60 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Generate { model, prompt, system, max_new_tokens, temperature, top_p, seed } => {
+        Command::Generate { model, prompt, system, max_new_tokens, temperature, top_p, seed, spec } => {
             let sampling = Sampling::new(temperature, top_p)?;
+            if spec.k == 0 {
+                bail!("--k must be at least 1");
+            }
+            if let Some(rule) = spec.keep_rule() {
+                rule.validate()?;
+            }
             let target = model.load()?;
             let mut messages: Vec<Message> = system.iter().map(|s| Message::new("system", s)).collect();
             messages.push(Message::new("user", &prompt));
             let ids = target.tokenizer.chat_prompt(&messages)?;
             let mut rng = ChaCha20Rng::seed_from_u64(seed);
-            let g = frspec::generate::generate(&target.model, &target.tokenizer, &ids, max_new_tokens, sampling, &mut rng)?;
-            let shown: Vec<u32> = g.tokens.iter().copied().filter(|t| !target.tokenizer.is_stop(*t)).collect();
+            let (tokens, summary) = if spec.enabled() {
+                let kind = match (&spec.draft_kind, &spec.draft) {
+                    (Some(k), _) => k.clone(),
+                    (None, Some(_)) => DraftKind::Eagle,
+                    (None, None) => unreachable!("enabled() checked"),
+                };
+                let keep = spec.keep_set(&target)?;
+                let mut draft = frspec::draft::build(&kind, spec.draft.as_deref(), &target, &model.model)?;
+                let head = DraftHead::new(draft.lm_head(), keep, spec.head)?;
+                let kept = head.kept();
+                let cfg = SpecConfig { k: spec.k, mode: spec.draft_mode, sampling, max_new_tokens };
+                let (tokens, r) = speculative_turn(&target.model, &target.tokenizer.stop_ids, draft.as_mut(), &head, &ids, &cfg, &mut rng)?;
+                let summary = format!(
+                    "draft: {}, head keeps {kept} of {} ids\nmean acceptance length {:.3}, acceptance rate {:.1}% \
+                     ({} accepted of {} draft tokens in {} steps); draft {:.2}s, target {:.2}s",
+                    draft.describe(),
+                    target.model.config.vocab,
+                    r.mean_acceptance_length(),
+                    r.acceptance_rate(),
+                    r.accepted,
+                    r.draft_tokens,
+                    r.drafts,
+                    r.draft_secs,
+                    r.target_secs
+                );
+                (tokens, summary)
+            } else {
+                let g = frspec::generate::generate(&target.model, &target.tokenizer, &ids, max_new_tokens, sampling, &mut rng)?;
+                let summary = format!(
+                    "prompt {} tokens, {:.1} tokens/s prefill; generated {} tokens, {:.1} tokens/s; stop: {:?}",
+                    g.prompt_tokens,
+                    g.prompt_tokens as f64 / g.prefill_secs,
+                    g.tokens.len(),
+                    g.tokens.len() as f64 / g.decode_secs.max(1e-9),
+                    g.stop
+                );
+                (g.tokens, summary)
+            };
+            let shown: Vec<u32> = tokens.iter().copied().filter(|t| !target.tokenizer.is_stop(*t)).collect();
             println!("{}", target.tokenizer.decode(&shown)?);
-            eprintln!(
-                "prompt {} tokens, {:.1} tokens/s prefill; generated {} tokens, {:.1} tokens/s; stop: {:?}",
-                g.prompt_tokens,
-                g.prompt_tokens as f64 / g.prefill_secs,
-                g.tokens.len(),
-                g.tokens.len() as f64 / g.decode_secs.max(1e-9),
-                g.stop
-            );
+            eprintln!("{summary}");
         }
         Command::Score { model, text_file, tokens_file, json, logits_out } => {
             let target = model.load()?;

@@ -11,6 +11,7 @@ use crate::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use std::path::Path;
+use std::sync::Arc;
 
 /// Which pairs of a head's dimensions RoPE rotates together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -222,11 +223,11 @@ impl Layer {
 pub struct Model {
     pub config: Config,
     pub geometry: Geometry,
-    embed: Matrix,
+    embed: Arc<Matrix>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     /// None when the LM head is tied to the embedding.
-    lm_head: Option<Matrix>,
+    lm_head: Option<Arc<Matrix>>,
 }
 
 /// What one forward pass returns.
@@ -357,8 +358,8 @@ impl Model {
     pub fn build(config: Config, src: &dyn WeightSource) -> Result<Model> {
         let c = &config;
         let layers = (0..c.layers).map(|i| load_layer(src, c, &format!("blk.{i}"), true)).collect::<Result<Vec<_>>>()?;
-        let embed = load_linear(src, "token_embd", c.vocab, c.hidden)?.weight;
-        let lm_head = if src.contains("output.weight") { Some(load_linear(src, "output", c.vocab, c.hidden)?.weight) } else { None };
+        let embed = Arc::new(load_linear(src, "token_embd", c.vocab, c.hidden)?.weight);
+        let lm_head = if src.contains("output.weight") { Some(Arc::new(load_linear(src, "output", c.vocab, c.hidden)?.weight)) } else { None };
         let rope_freqs = if src.contains("rope_freqs.weight") { Some(src.vector("rope_freqs.weight")?) } else { None };
         let geometry = Geometry::new(c, rope_freqs.as_deref());
         let norm = load_norm(src, "output_norm.weight", c.hidden)?;
@@ -371,6 +372,11 @@ impl Model {
 
     pub fn lm_head(&self) -> &Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// The LM head, shared (drafts slice it or reuse it without copying).
+    pub fn lm_head_shared(&self) -> Arc<Matrix> {
+        self.lm_head.as_ref().unwrap_or(&self.embed).clone()
     }
 
     /// Keep only the first `n` layers (a truncated copy of the target is a real, if weak, draft model).

@@ -80,7 +80,7 @@ pub fn argmax(values: &[f32]) -> u32 {
 }
 
 /// Draw an index from `probs` (which sums to 1) with one uniform number from `rng`.
-pub fn draw(probs: &[f32], rng: &mut impl rand::Rng) -> u32 {
+pub fn draw(probs: &[f32], rng: &mut (impl rand::Rng + ?Sized)) -> u32 {
     let u: f64 = rng.random();
     let mut acc = 0f64;
     let mut last_nonzero = 0;

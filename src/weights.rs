@@ -220,7 +220,7 @@ pub fn safetensors_files(path: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// HF Llama tensor names for the canonical GGUF-style names used by the model builder.
-fn hf_name(name: &str) -> String {
+pub fn hf_name(name: &str) -> String {
     if let Some(rest) = name.strip_prefix("blk.") {
         let (layer, part) = rest.split_once('.').unwrap_or((rest, ""));
         let part = match part {

@@ -1,0 +1,219 @@
+//! The speculative loop: draft k tokens, verify them in one target forward over k+1 positions, accept or reject
+//! (rejection sampling), emit the recovered or bonus token, roll both caches back to the accepted prefix.
+//! Counters follow vLLM's definitions (../shared/reference/NOTES.md) so numbers compare with the literature.
+
+use crate::draft::{Context, Draft, DraftHead, DraftMode, Proposal};
+use crate::generate::StopReason;
+use crate::model::Model;
+use crate::sampling::{draw, Sampling};
+use anyhow::{bail, Result};
+use rand::RngExt;
+use serde::Serialize;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug)]
+pub struct SpecConfig {
+    /// Draft tokens per step.
+    pub k: usize,
+    pub mode: DraftMode,
+    pub sampling: Sampling,
+    pub max_new_tokens: usize,
+}
+
+/// What one turn of speculative decoding did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TurnRecord {
+    pub prompt_tokens: usize,
+    pub generated: usize,
+    /// Steps that had drafts.
+    pub drafts: u64,
+    pub draft_tokens: u64,
+    /// Accepted draft tokens (the recovered or bonus token is not counted).
+    pub accepted: u64,
+    /// `accepted_per_pos[i]`: steps that accepted at least i + 1 drafts.
+    pub accepted_per_pos: Vec<u64>,
+    /// Σ over steps of Σ_j Π_{i≤j} α_i, α_i = min(1, p_i(x_i)/q_i(x_i)): the expected accepted count given the
+    /// drafts, a lower-variance estimate of `accepted` read off the verification pass.
+    pub expected_accepted: f64,
+    pub stop: Option<StopReason>,
+    pub draft_secs: f64,
+    pub target_secs: f64,
+}
+
+impl TurnRecord {
+    /// vLLM's mean acceptance length: 1 + accepted / drafts (1.0 without drafts).
+    pub fn mean_acceptance_length(&self) -> f64 {
+        1.0 + self.accepted as f64 / self.drafts.max(1) as f64
+    }
+
+    /// vLLM's acceptance rate in %: 100 · accepted / draft tokens.
+    pub fn acceptance_rate(&self) -> f64 {
+        100.0 * self.accepted as f64 / self.draft_tokens.max(1) as f64
+    }
+
+    /// Timings vary from run to run; everything else must not.
+    pub fn without_timings(&self) -> TurnRecord {
+        TurnRecord { draft_secs: 0.0, target_secs: 0.0, ..self.clone() }
+    }
+}
+
+/// Buffers the loop reuses between steps and turns.
+#[derive(Default)]
+struct Scratch {
+    p: Vec<f32>,
+    residual: Vec<f32>,
+    order: Vec<u32>,
+    proposal: Proposal,
+}
+
+/// Generate one turn after `prompt`, speculatively. Returns the generated ids (ending with the stop token when
+/// that ended the turn) and the record. Every random draw comes from `rng`.
+pub fn speculative_turn(
+    target: &Model,
+    stop_ids: &[u32],
+    draft: &mut dyn Draft,
+    head: &DraftHead,
+    prompt: &[u32],
+    cfg: &SpecConfig,
+    rng: &mut dyn rand::Rng,
+) -> Result<(Vec<u32>, TurnRecord)> {
+    if cfg.k == 0 {
+        bail!("k (draft tokens per step) must be at least 1");
+    }
+    if prompt.is_empty() {
+        bail!("empty prompt");
+    }
+    if head.vocab() != target.config.vocab {
+        bail!("the draft head has {} rows, the target vocabulary is {}", head.vocab(), target.config.vocab);
+    }
+    let (v, h, ctx_limit) = (target.config.vocab, target.config.hidden, target.config.context_length);
+    let mut s = Scratch::default();
+    let mut rec = TurnRecord { prompt_tokens: prompt.len(), accepted_per_pos: vec![0; cfg.k], ..TurnRecord::default() };
+    draft.reset();
+    let mut cache = target.new_cache();
+    let t0 = Instant::now();
+    let prefill = target.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?;
+    let mut features = prefill.hidden;
+    cfg.sampling.distribution(&prefill.logits, &mut s.p, &mut s.order);
+    let first = draw(&s.p, rng);
+    rec.target_secs += t0.elapsed().as_secs_f64();
+    let mut tokens = prompt.to_vec();
+    tokens.push(first);
+    let stopped = |t: u32| stop_ids.contains(&t);
+    if stopped(first) {
+        rec.stop = Some(StopReason::EndOfTurn);
+    }
+
+    while rec.stop.is_none() {
+        let generated = tokens.len() - prompt.len();
+        let remaining = cfg.max_new_tokens.saturating_sub(generated);
+        if remaining == 0 {
+            rec.stop = Some(StopReason::MaxTokens);
+            break;
+        }
+        // One step emits up to k + 1 tokens and needs k + 1 more positions in the target's context.
+        let room = ctx_limit.saturating_sub(cache.len() + 1);
+        if room == 0 {
+            rec.stop = Some(StopReason::ContextLimit);
+            break;
+        }
+        let k = cfg.k.min(remaining - 1).min(room - 1);
+        let n = tokens.len();
+        let last = tokens[n - 1];
+        let mut block = vec![last];
+        if k > 0 {
+            let t = Instant::now();
+            draft.propose(&Context { tokens: &tokens, features: &features }, k, head, cfg.mode, cfg.sampling, rng, &mut s.proposal)?;
+            rec.draft_secs += t.elapsed().as_secs_f64();
+            block.extend_from_slice(&s.proposal.tokens);
+        }
+
+        let t = Instant::now();
+        let rows: Vec<usize> = (0..=k).collect();
+        let verify = target.forward(&block, &mut cache, &rows, &[])?;
+        features.extend_from_slice(&verify.hidden);
+        let mut accepted = 0;
+        let mut next = None;
+        let mut survive = 1.0f64;
+        let mut expected = 0.0f64;
+        for i in 0..k {
+            cfg.sampling.distribution(&verify.logits[i * v..(i + 1) * v], &mut s.p, &mut s.order);
+            let x = s.proposal.tokens[i];
+            let alpha = (s.p[x as usize] as f64 / s.proposal.q_token[i] as f64).min(1.0);
+            survive *= alpha;
+            expected += survive;
+            if next.is_some() {
+                continue;
+            }
+            let u: f64 = rng.random();
+            if u < alpha {
+                accepted += 1;
+            } else {
+                next = Some(recover(&s.p, &s.proposal, i, head, &mut s.residual, rng));
+            }
+        }
+        let next = match next {
+            Some(t) => t,
+            None => {
+                cfg.sampling.distribution(&verify.logits[k * v..(k + 1) * v], &mut s.p, &mut s.order);
+                draw(&s.p, rng)
+            }
+        };
+        rec.target_secs += t.elapsed().as_secs_f64();
+        if k > 0 {
+            rec.drafts += 1;
+            rec.draft_tokens += k as u64;
+            rec.accepted += accepted as u64;
+            rec.expected_accepted += expected;
+            rec.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);
+        }
+
+        // Keep the target's positions up to the last accepted draft; the new token is fed next step.
+        cache.truncate(n + accepted);
+        features.truncate((n + accepted) * h);
+        draft.rollback(n, accepted);
+        for &t in s.proposal.tokens[..accepted].iter().chain(std::iter::once(&next)) {
+            tokens.push(t);
+            if stopped(t) {
+                rec.stop = Some(StopReason::EndOfTurn);
+                break;
+            }
+        }
+        if k == 0 {
+            s.proposal.tokens.clear();
+        }
+    }
+    let generated = tokens[prompt.len()..].to_vec();
+    rec.generated = generated.len();
+    Ok((generated, rec))
+}
+
+/// The token emitted when draft i is rejected: a draw from norm(max(0, p − q_i)).
+fn recover(p: &[f32], proposal: &Proposal, i: usize, head: &DraftHead, residual: &mut Vec<f32>, rng: &mut dyn rand::Rng) -> u32 {
+    residual.clear();
+    residual.extend_from_slice(p);
+    match proposal.q.get(i).filter(|q| !q.is_empty()) {
+        // q over head space: subtract it at the ids it covers.
+        Some(q) => {
+            for (index, qv) in q.iter().enumerate() {
+                if *qv > 0.0 {
+                    let id = head.id(index) as usize;
+                    residual[id] = (residual[id] - qv).max(0.0);
+                }
+            }
+        }
+        // A point mass on the draft token.
+        None => {
+            let x = proposal.tokens[i] as usize;
+            residual[x] = (residual[x] - 1.0).max(0.0);
+        }
+    }
+    let total: f64 = residual.iter().map(|r| *r as f64).sum();
+    if total <= 0.0 {
+        // p ≤ q everywhere means p = q: rejection had probability zero; fall back to p itself.
+        return draw(p, rng);
+    }
+    let inv = (1.0 / total) as f32;
+    residual.iter_mut().for_each(|r| *r *= inv);
+    draw(residual, rng)
+}

@@ -1,0 +1,275 @@
+//! Token frequencies and the keep sets FR-Spec prunes the draft head to.
+//!
+//! Sources, all reduced to one ranking (most frequent first; ties by count descending, then id ascending, so every
+//! tool that follows the rule gets the same keep set):
+//! - frspec's own file: safetensors with `ids` and `counts` plus metadata (tokenizer hash, corpus, token count);
+//! - FR-Spec's `freq_{V}.pt`: a torch-saved Python list of ids, most frequent first (no counts);
+//! - vLLM's per-token frequency tensor indexed by id (`.pt`, `.safetensors`, `.npy`).
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::pickle::{Object, Stack};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// A frequency ranking of token ids.
+#[derive(Clone, Debug)]
+pub struct Frequencies {
+    /// Ids, most frequent first.
+    pub ranking: Vec<u32>,
+    /// Counts aligned with `ranking`, when the source has them.
+    pub counts: Option<Vec<u64>>,
+    /// Metadata of frspec's own files (tokenizer hash, corpus, token count, vocab size).
+    pub metadata: HashMap<String, String>,
+    pub source: PathBuf,
+}
+
+/// How many of the ranked ids to keep.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KeepRule {
+    /// Drop this fraction of the vocabulary: keep the top ⌈(1 − r)·V⌉ ids. r = 0 keeps everything.
+    Ratio(f64),
+    /// Keep the top k ids.
+    Keep(usize),
+    /// Keep the smallest top set whose counts reach this share of all counted tokens.
+    Mass(f64),
+}
+
+impl KeepRule {
+    pub fn validate(&self) -> Result<()> {
+        match *self {
+            KeepRule::Ratio(r) if !(0.0..1.0).contains(&r) => bail!("pruning ratio must be in [0, 1), got {r}"),
+            KeepRule::Keep(0) => bail!("--keep must be at least 1"),
+            KeepRule::Mass(m) if !(m > 0.0 && m <= 1.0) => bail!("cumulative mass must be in (0, 1], got {m}"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The ids a pruned draft head keeps, sorted ascending (so sliced and masked heads visit them in the same order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeepSet {
+    pub ids: Vec<u32>,
+    pub vocab: usize,
+}
+
+impl KeepSet {
+    pub fn fraction(&self) -> f64 {
+        self.ids.len() as f64 / self.vocab as f64
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        self.ids.binary_search(&id).is_ok()
+    }
+
+    /// Position of `id` within the kept ids.
+    pub fn index_of(&self, id: u32) -> Option<usize> {
+        self.ids.binary_search(&id).ok()
+    }
+}
+
+impl Frequencies {
+    pub fn load(path: &Path) -> Result<Frequencies> {
+        if !path.is_file() {
+            bail!("frequency file {} does not exist", path.display());
+        }
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let f = match ext {
+            "safetensors" => load_safetensors(path),
+            "pt" | "pth" | "bin" => load_torch(path),
+            "npy" => load_npy(path),
+            _ => bail!("{}: unknown frequency file type (expected .safetensors, .pt or .npy)", path.display()),
+        }?;
+        if f.ranking.is_empty() {
+            bail!("{}: the frequency file holds no ids", path.display());
+        }
+        Ok(f)
+    }
+
+    /// From per-id counts (index = id), ranked by count descending then id ascending.
+    pub fn from_counts(counts: &[u64], source: &Path) -> Frequencies {
+        let mut ranking: Vec<u32> = (0..counts.len() as u32).collect();
+        ranking.sort_by(|&a, &b| counts[b as usize].cmp(&counts[a as usize]).then(a.cmp(&b)));
+        let ranked_counts = ranking.iter().map(|&i| counts[i as usize]).collect();
+        Frequencies { ranking, counts: Some(ranked_counts), metadata: HashMap::new(), source: source.to_path_buf() }
+    }
+
+    /// The ids to keep for a target vocabulary of `vocab` ids; `always` (end-of-sequence and end-of-turn ids)
+    /// are added whatever their rank.
+    pub fn keep_set(&self, rule: KeepRule, vocab: usize, always: &[u32]) -> Result<KeepSet> {
+        rule.validate()?;
+        let src = self.source.display();
+        let mut seen = vec![false; vocab];
+        for &id in &self.ranking {
+            let slot = seen.get_mut(id as usize).ok_or_else(|| {
+                anyhow!("{src}: token id {id} is outside the target vocabulary of {vocab}")
+            })?;
+            if std::mem::replace(slot, true) {
+                bail!("{src}: token id {id} appears twice");
+            }
+        }
+        if let Some(size) = self.metadata.get("vocab").and_then(|v| v.parse::<usize>().ok()) {
+            if size != vocab {
+                bail!("{src} was built for a vocabulary of {size} ids, the target has {vocab}");
+            }
+        }
+        let k = match rule {
+            KeepRule::Ratio(r) => ((1.0 - r) * vocab as f64).ceil() as usize,
+            KeepRule::Keep(k) => k,
+            KeepRule::Mass(m) => {
+                let counts = self.counts.as_ref().ok_or_else(|| anyhow!("{src} has no counts: use a ratio or --keep"))?;
+                let total: u64 = counts.iter().sum();
+                let mut acc = 0u64;
+                counts.iter().position(|c| {
+                    acc += c;
+                    acc as f64 >= m * total as f64
+                }).map_or(counts.len(), |i| i + 1)
+            }
+        };
+        if k > vocab {
+            bail!("cannot keep {k} ids of a vocabulary of {vocab}");
+        }
+        let mut ids: Vec<u32> = if k == vocab {
+            (0..vocab as u32).collect()
+        } else if k <= self.ranking.len() {
+            self.ranking[..k].to_vec()
+        } else {
+            bail!("{src} ranks only {} ids, {k} are needed for {rule:?}", self.ranking.len());
+        };
+        for &a in always {
+            if a as usize >= vocab {
+                bail!("end-of-turn id {a} is outside the target vocabulary of {vocab}");
+            }
+            ids.push(a);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        Ok(KeepSet { ids, vocab })
+    }
+
+    /// Share of the counted tokens covered by the top `k` ids (None without counts).
+    pub fn coverage(&self, k: usize) -> Option<f64> {
+        let counts = self.counts.as_ref()?;
+        let total: u64 = counts.iter().sum();
+        Some(counts.iter().take(k).sum::<u64>() as f64 / total.max(1) as f64)
+    }
+
+    /// Write frspec's own format: safetensors `ids` (i64) and `counts` (i64) in rank order, with metadata.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let counts = self.counts.as_ref().ok_or_else(|| anyhow!("only ranked counts can be saved"))?;
+        let le_bytes = |v: &mut dyn Iterator<Item = i64>| -> Vec<u8> { v.flat_map(|x| x.to_le_bytes()).collect() };
+        let ids = le_bytes(&mut self.ranking.iter().map(|&i| i as i64));
+        let cs = le_bytes(&mut counts.iter().map(|&c| c as i64));
+        let n = self.ranking.len();
+        let view = |bytes| safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![n], bytes);
+        let views = vec![("ids", view(&ids[..])?), ("counts", view(&cs[..])?)];
+        let mut meta = self.metadata.clone();
+        meta.insert("format".into(), "frspec-frequencies-v1".into());
+        let tmp = path.with_extension("safetensors.part");
+        safetensors::tensor::serialize_to_file(views, Some(meta), &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+        Ok(())
+    }
+}
+
+fn to_u64_counts(t: &Tensor, path: &Path) -> Result<Vec<u64>> {
+    if t.rank() != 1 {
+        bail!("{}: a frequency tensor must be 1-D (one count per token id), got shape {:?}", path.display(), t.dims());
+    }
+    let v = t.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    v.iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            if c.is_finite() && c >= 0.0 {
+                // Float frequencies (probabilities) keep their order when scaled to integers.
+                Ok(if t.dtype().is_float() { (c * 1e12).round() as u64 } else { c as u64 })
+            } else {
+                Err(anyhow!("{}: frequency of token {i} is {c}", path.display()))
+            }
+        })
+        .collect()
+}
+
+fn load_safetensors(path: &Path) -> Result<Frequencies> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", path.display()))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let metadata = meta.metadata().clone().unwrap_or_default();
+    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    if let (Some(ids), Some(counts)) = (tensors.get("ids"), tensors.get("counts")) {
+        let ranking = ids.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        let counts = counts.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        if ranking.len() != counts.len() {
+            bail!("{}: ids and counts differ in length", path.display());
+        }
+        let ranking = ranking
+            .iter()
+            .map(|&i| u32::try_from(i).map_err(|_| anyhow!("{}: token id {i} is out of range", path.display())))
+            .collect::<Result<Vec<_>>>()?;
+        if counts.windows(2).any(|w| w[0] < w[1]) {
+            bail!("{}: counts are not sorted in descending order", path.display());
+        }
+        let counts = counts.iter().map(|&c| c.max(0) as u64).collect();
+        return Ok(Frequencies { ranking, counts: Some(counts), metadata, source: path.to_path_buf() });
+    }
+    let names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    match &names[..] {
+        [one] => Ok(Frequencies::from_counts(&to_u64_counts(&tensors[one], path)?, path)),
+        _ => bail!("{}: expected `ids` + `counts` or a single per-token frequency tensor, found {names:?}", path.display()),
+    }
+}
+
+fn load_npy(path: &Path) -> Result<Frequencies> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| anyhow!("{} is not a .npy file: {e}", path.display()))?;
+    if npy.shape().len() != 1 {
+        bail!("{}: a frequency array must be 1-D, got shape {:?}", path.display(), npy.shape());
+    }
+    let values: Vec<f64> = match npy.dtype() {
+        npyz::DType::Plain(t) if t.type_char() == npyz::TypeChar::Float => {
+            if t.size_field() == 4 { npy.into_vec::<f32>()?.into_iter().map(f64::from).collect() } else { npy.into_vec::<f64>()? }
+        }
+        npyz::DType::Plain(t) if matches!(t.type_char(), npyz::TypeChar::Int | npyz::TypeChar::Uint) => {
+            npy.into_vec::<i64>().map_err(|e| anyhow!("{}: {e}", path.display()))?.into_iter().map(|v| v as f64).collect()
+        }
+        other => bail!("{}: unsupported dtype {other:?} for a frequency array", path.display()),
+    };
+    let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
+    Ok(Frequencies::from_counts(&to_u64_counts(&t, path)?, path))
+}
+
+/// A torch `.pt`: either FR-Spec's pickled list of ids or a pickled frequency tensor.
+fn load_torch(path: &Path) -> Result<Frequencies> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut zip = zip::ZipArchive::new(file).map_err(|e| anyhow!("{} is not a torch zip file: {e}", path.display()))?;
+    let pkl_name = zip
+        .file_names()
+        .filter_map(|n| n.ok().map(|n| n.to_string()))
+        .find(|n| n.ends_with("data.pkl"))
+        .ok_or_else(|| anyhow!("{}: no data.pkl inside", path.display()))?;
+    let mut pkl = Vec::new();
+    zip.by_name(&pkl_name)?.read_to_end(&mut pkl)?;
+    let mut stack = Stack::empty();
+    stack.read_loop(&mut std::io::BufReader::new(&pkl[..])).map_err(|e| anyhow!("{}: bad pickle: {e}", path.display()))?;
+    match stack.finalize().map_err(|e| anyhow!("{}: bad pickle: {e}", path.display()))? {
+        Object::List(items) => {
+            let ranking = items
+                .into_iter()
+                .map(|o| match o {
+                    Object::Int(i) if i >= 0 => Ok(i as u32),
+                    Object::Long(i) if (0..=u32::MAX as i64).contains(&i) => Ok(i as u32),
+                    other => Err(anyhow!("{}: expected a list of token ids, found {other:?}", path.display())),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Frequencies { ranking, counts: None, metadata: HashMap::new(), source: path.to_path_buf() })
+        }
+        _ => {
+            let tensors = candle_core::pickle::read_all(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+            match &tensors[..] {
+                [(_, t)] => Ok(Frequencies::from_counts(&to_u64_counts(t, path)?, path)),
+                _ => bail!("{}: expected a list of ids or one frequency tensor, found {} tensors", path.display(), tensors.len()),
+            }
+        }
+    }
+}
