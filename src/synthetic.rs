@@ -124,3 +124,31 @@ fn byte_char(b: u8) -> char {
     let shifted = (0..b).filter(|&x| !printable(x)).count() as u32;
     char::from_u32(256 + shifted).expect("valid code point")
 }
+
+/// An EAGLE-1 head for a target of `shape`, with random weights and the key names of yuhuili's Llama-3.1 heads
+/// (`fc.weight`, `layers.0.self_attn.*`, `layers.0.mlp.*`, `layers.0.post_attention_layernorm.weight`; no
+/// input_layernorm, no final norm), plus its config.json.
+pub fn write_eagle_head(dir: &Path, shape: &Shape, seed: u64) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let one_layer = Shape { layers: 1, tied: true, qkv_bias: false, ..shape.clone() };
+    let mut tensors = std::collections::HashMap::new();
+    for (name, (dims, values)) in weights(&one_layer, seed) {
+        let Some(rest) = name.strip_prefix("model.layers.0.") else { continue };
+        if rest == "input_layernorm.weight" {
+            continue;
+        }
+        tensors.insert(format!("layers.0.{rest}"), Tensor::from_vec(values, dims, &Device::Cpu)?);
+    }
+    let h = shape.hidden;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xfc);
+    let fc: Vec<f32> = (0..2 * h * h).map(|_| rng.random_range(-1.0f32..1.0) / (2.0 * h as f32).sqrt()).collect();
+    tensors.insert("fc.weight".into(), Tensor::from_vec(fc, (h, 2 * h), &Device::Cpu)?);
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"], "bias": false, "hidden_size": h, "intermediate_size": shape.intermediate,
+        "num_hidden_layers": 1, "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}

@@ -264,12 +264,66 @@ fn load_torch(path: &Path) -> Result<Frequencies> {
                 .collect::<Result<Vec<_>>>()?;
             Ok(Frequencies { ranking, counts: None, metadata: HashMap::new(), source: path.to_path_buf() })
         }
-        _ => {
-            let tensors = candle_core::pickle::read_all(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-            match &tensors[..] {
-                [(_, t)] => Ok(Frequencies::from_counts(&to_u64_counts(t, path)?, path)),
-                _ => bail!("{}: expected a list of ids or one frequency tensor, found {} tensors", path.display(), tensors.len()),
-            }
+        // torch.save(tensor): the pickle's root is the tensor; its storage is a file in the archive.
+        tensor => {
+            let dir = Path::new(pkl_name.trim_end_matches("data.pkl")).join("data");
+            let info = tensor
+                .into_tensor_info(Object::Unicode("frequencies".into()), &dir)
+                .map_err(|e| anyhow!("{}: {e}", path.display()))?
+                .ok_or_else(|| anyhow!("{}: expected a list of ids or a frequency tensor", path.display()))?;
+            let mut raw = Vec::new();
+            zip.by_name(&info.path)
+                .with_context(|| format!("{}: tensor storage {} is missing", path.display(), info.path))?
+                .read_to_end(&mut raw)?;
+            let storage = Tensor::from_raw_buffer(&raw, info.dtype, &[info.storage_size], &Device::Cpu)
+                .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+            let n = info.layout.shape().elem_count();
+            let t = storage.narrow(0, info.layout.start_offset(), n)?;
+            Ok(Frequencies::from_counts(&to_u64_counts(&t, path)?, path))
         }
     }
+}
+
+/// How a corpus file is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CorpusFormat {
+    /// Plain text; each line is tokenized on its own.
+    Text,
+    /// Brown-corpus style `word/TAG` tokens: the tags are stripped, the words of a line joined by spaces.
+    Tagged,
+}
+
+/// The lines of a corpus file, as the text to tokenize.
+pub fn corpus_lines(path: &Path, format: CorpusFormat) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read corpus file {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| match format {
+            CorpusFormat::Text => l.to_string(),
+            CorpusFormat::Tagged => {
+                l.split_whitespace().map(|w| w.rsplit_once('/').map_or(w, |(word, _)| word)).collect::<Vec<_>>().join(" ")
+            }
+        })
+        .collect())
+}
+
+/// Per-id counts of the tokens of `lines` (index = id), counted in parallel.
+pub fn count_tokens(tokenizer: &crate::tokenizer::Tokenizer, lines: &[String], vocab: usize) -> Result<Vec<u64>> {
+    use rayon::prelude::*;
+    lines
+        .par_chunks(256)
+        .map(|chunk| {
+            let mut counts = vec![0u64; vocab];
+            for line in chunk {
+                for id in tokenizer.encode(line)? {
+                    *counts.get_mut(id as usize).ok_or_else(|| anyhow!("token id {id} is outside the vocabulary of {vocab}"))? += 1;
+                }
+            }
+            Ok(counts)
+        })
+        .try_reduce(|| vec![0u64; vocab], |mut a, b| {
+            a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+            Ok(a)
+        })
 }
