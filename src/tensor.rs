@@ -147,7 +147,7 @@ impl Matrix {
         let rows_per_task = (self.rows / (4 * rayon::current_num_threads())).clamp(16, 1024);
         let t = &mut scratch.transposed;
         t.resize(self.rows * n, 0.0);
-        t.par_chunks_mut(rows_per_task * n).enumerate().for_each(|(task, chunk)| {
+        let task = |(task, chunk): (usize, &mut [f32])| {
             let first = task * rows_per_task;
             for (i, row_out) in chunk.chunks_exact_mut(n).enumerate() {
                 let mut b = 0;
@@ -159,7 +159,13 @@ impl Matrix {
                     b += g;
                 }
             }
-        });
+        };
+        // Waking the thread pool costs more than a small product (EAGLE heads, test models): stay on this thread.
+        if self.rows * self.cols * n < PARALLEL_MIN_MACS {
+            t.chunks_mut(rows_per_task * n).enumerate().for_each(task);
+        } else {
+            t.par_chunks_mut(rows_per_task * n).enumerate().for_each(task);
+        }
         for (r, row) in t.chunks_exact(n).enumerate() {
             for (b, v) in row.iter().enumerate() {
                 out[b * self.rows + r] = *v;
@@ -194,6 +200,9 @@ impl Matrix {
         }
     }
 }
+
+/// Products smaller than this many multiply-adds run on the calling thread.
+const PARALLEL_MIN_MACS: usize = 1 << 16;
 
 /// How many activation rows share one unpacking of a weight row (bounded by the 16 vector registers).
 const GROUP: usize = 8;

@@ -1,0 +1,251 @@
+//! The speculative engine: lossless greedy decoding on the real SmolLM2 target with a truncated draft and an
+//! EAGLE-1 head at every ratio and k; the sampling distribution on a small synthetic model (χ² tests that pass
+//! for the real verifier and fail for samples from the draft); slice == mask; determinism.
+
+mod common;
+use common::asset;
+use frspec::chat::Message;
+use frspec::decode::{speculative_turn, SpecConfig, TurnRecord};
+use frspec::draft::{build, Draft, DraftHead, DraftKind, DraftMode, EagleDraft, HeadMode, ModelDraft};
+use frspec::generate::generate;
+use frspec::model::Model;
+use frspec::sampling::Sampling;
+use frspec::synthetic::{self, Shape};
+use frspec::target::Target;
+use frspec::vocab::{corpus_lines, count_tokens, CorpusFormat, Frequencies, KeepRule, KeepSet};
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+use statrs::distribution::{ChiSquared, ContinuousCDF};
+use std::sync::OnceLock;
+
+fn smollm2() -> &'static Target {
+    static T: OnceLock<Target> = OnceLock::new();
+    T.get_or_init(|| Target::load("smollm2").unwrap_or_else(|e| panic!("{e:#}")))
+}
+
+/// SmolLM2 token frequencies over part of the Brown corpus (enough for a realistic ranking).
+fn brown_frequencies() -> &'static Frequencies {
+    static F: OnceLock<Frequencies> = OnceLock::new();
+    F.get_or_init(|| {
+        let t = smollm2();
+        let mut files: Vec<_> = std::fs::read_dir(asset("brown")).unwrap().map(|e| e.unwrap().path()).collect();
+        files.retain(|p| p.file_name().unwrap().to_str().unwrap().starts_with('c'));
+        files.sort();
+        let lines: Vec<String> = files[..40].iter().flat_map(|f| corpus_lines(f, CorpusFormat::Tagged).unwrap()).collect();
+        Frequencies::from_counts(&count_tokens(&t.tokenizer, &lines, t.model.config.vocab).unwrap(), &asset("brown"))
+    })
+}
+
+fn keep(ratio: f64) -> Option<KeepSet> {
+    let t = smollm2();
+    (ratio > 0.0).then(|| brown_frequencies().keep_set(KeepRule::Ratio(ratio), t.model.config.vocab, &t.tokenizer.stop_ids).unwrap())
+}
+
+fn mt_bench_prompts(n: usize) -> Vec<Vec<u32>> {
+    let t = smollm2();
+    std::fs::read_to_string(asset("mt-bench"))
+        .unwrap()
+        .lines()
+        .take(n)
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            t.tokenizer.chat_prompt(&[Message::new("user", v["turns"][0].as_str().unwrap())]).unwrap()
+        })
+        .collect()
+}
+
+fn smollm2_shape() -> Shape {
+    let c = &smollm2().model.config;
+    Shape { hidden: c.hidden, intermediate: c.intermediate, layers: 1, heads: c.heads, kv_heads: c.kv_heads, vocab: c.vocab, tied: true, qkv_bias: false }
+}
+
+fn run(draft: &mut dyn Draft, keep: Option<KeepSet>, mode: HeadMode, prompt: &[u32], cfg: &SpecConfig, seed: u64) -> (Vec<u32>, TurnRecord) {
+    let t = smollm2();
+    let head = DraftHead::new(draft.lm_head(), keep, mode).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    speculative_turn(&t.model, &t.tokenizer.stop_ids, draft, &head, prompt, cfg, &mut rng).unwrap()
+}
+
+#[test]
+fn greedy_speculative_output_equals_target_greedy_for_every_ratio_k_and_draft() {
+    let t = smollm2();
+    let prompts = mt_bench_prompts(10);
+    let baselines: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| generate(&t.model, &t.tokenizer, p, 64, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens)
+        .collect();
+    let eagle_dir = tempfile::tempdir().unwrap();
+    synthetic::write_eagle_head(eagle_dir.path(), &smollm2_shape(), 3).unwrap();
+    let mut drafts: Vec<Box<dyn Draft>> = vec![
+        build(&DraftKind::Truncated(2), None, t, "smollm2").unwrap(),
+        Box::new(EagleDraft::load(eagle_dir.path(), &t.model).unwrap()),
+    ];
+    for draft in drafts.iter_mut() {
+        for ratio in [0.0, 0.5, 0.9, 0.99] {
+            for k in [1, 4] {
+                let cfg = SpecConfig { k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 64 };
+                for (i, (prompt, want)) in prompts.iter().zip(&baselines).enumerate() {
+                    let (got, rec) = run(draft.as_mut(), keep(ratio), HeadMode::Slice, prompt, &cfg, 1);
+                    assert_eq!(&got, want, "{} ratio {ratio} k {k} prompt {i}", draft.describe());
+                    assert_eq!(rec.generated, want.len());
+                    assert!(rec.accepted <= rec.draft_tokens && rec.accepted_per_pos.iter().all(|&c| c <= rec.drafts));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn slice_and_mask_heads_give_identical_records_and_seeds_repeat() {
+    let t = smollm2();
+    let eagle_dir = tempfile::tempdir().unwrap();
+    synthetic::write_eagle_head(eagle_dir.path(), &smollm2_shape(), 4).unwrap();
+    let mut eagle = EagleDraft::load(eagle_dir.path(), &t.model).unwrap();
+    let mut truncated = build(&DraftKind::Truncated(6), None, t, "smollm2").unwrap();
+    let sampling = Sampling::new(1.0, 0.95).unwrap();
+    for prompt in mt_bench_prompts(2) {
+        for mode in [DraftMode::Sample, DraftMode::Argmax] {
+            let cfg = SpecConfig { k: 3, mode, sampling, max_new_tokens: 24 };
+            for draft in [&mut eagle as &mut dyn Draft, truncated.as_mut()] {
+                let (a, ra) = run(draft, keep(0.9), HeadMode::Slice, &prompt, &cfg, 9);
+                let (b, rb) = run(draft, keep(0.9), HeadMode::Mask, &prompt, &cfg, 9);
+                let (c, rc) = run(draft, keep(0.9), HeadMode::Slice, &prompt, &cfg, 9);
+                assert_eq!(a, b, "slice vs mask tokens ({mode:?}, {})", draft.describe());
+                assert_eq!(ra.without_timings(), rb.without_timings(), "slice vs mask record");
+                assert_eq!((a, ra.without_timings()), (c, rc.without_timings()), "same seed twice");
+            }
+        }
+    }
+}
+
+/// Tiny target and a different tiny draft over a 32-token vocabulary (no tokenizer needed).
+fn tiny_pair() -> (tempfile::TempDir, Model, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape { hidden: 32, intermediate: 48, layers: 2, heads: 4, kv_heads: 2, vocab: 32, tied: false, qkv_bias: false };
+    synthetic::write_model(&dir.path().join("target"), &shape, 21, candle_core::DType::F32).unwrap();
+    synthetic::write_model(&dir.path().join("draft"), &shape, 22, candle_core::DType::F32).unwrap();
+    let target = Model::load(&dir.path().join("target")).unwrap();
+    let draft = Model::load(&dir.path().join("draft")).unwrap();
+    (dir, target, draft)
+}
+
+/// Exact marginal distributions of the first three sampled tokens after `prompt`.
+fn exact_marginals(m: &Model, prompt: &[u32], s: Sampling) -> [Vec<f64>; 3] {
+    let v = m.config.vocab;
+    let dist = |logits: &[f32]| {
+        let (mut p, mut o) = (Vec::new(), Vec::new());
+        s.distribution(logits, &mut p, &mut o);
+        p.into_iter().map(f64::from).collect::<Vec<_>>()
+    };
+    let mut cache = m.new_cache();
+    let p1 = dist(&m.forward(prompt, &mut cache, &[prompt.len() - 1], &[]).unwrap().logits);
+    let (mut p2, mut p3) = (vec![0.0; v], vec![0.0; v]);
+    for x in 0..v as u32 {
+        let mut c1 = cache.clone();
+        let q2 = dist(&m.forward(&[x], &mut c1, &[0], &[]).unwrap().logits);
+        for y in 0..v as u32 {
+            let w = p1[x as usize] * q2[y as usize];
+            p2[y as usize] += w;
+            let mut c2 = c1.clone();
+            let q3 = dist(&m.forward(&[y], &mut c2, &[0], &[]).unwrap().logits);
+            q3.iter().zip(p3.iter_mut()).for_each(|(q, p)| *p += w * q);
+        }
+    }
+    [p1, p2, p3]
+}
+
+/// p-value of a χ² goodness-of-fit test; bins expecting fewer than 5 samples are pooled.
+fn chi_square_p(counts: &[u64], probs: &[f64]) -> f64 {
+    let n: u64 = counts.iter().sum();
+    let (mut stat, mut bins, mut pool_o, mut pool_e) = (0.0, 0usize, 0.0, 0.0);
+    for (&o, &p) in counts.iter().zip(probs) {
+        let e = p * n as f64;
+        if e >= 5.0 {
+            stat += (o as f64 - e).powi(2) / e;
+            bins += 1;
+        } else {
+            pool_o += o as f64;
+            pool_e += e;
+        }
+    }
+    if pool_e > 0.0 {
+        stat += (pool_o - pool_e).powi(2) / pool_e;
+        bins += 1;
+    }
+    1.0 - ChiSquared::new((bins - 1) as f64).unwrap().cdf(stat)
+}
+
+const SAMPLES: usize = 20_000;
+
+fn first_three_counts(v: usize, mut sample: impl FnMut(&mut ChaCha20Rng) -> Vec<u32>) -> [Vec<u64>; 3] {
+    let mut counts = [vec![0u64; v], vec![0u64; v], vec![0u64; v]];
+    let mut rng = ChaCha20Rng::seed_from_u64(2024);
+    for _ in 0..SAMPLES {
+        let tokens = sample(&mut rng);
+        for (pos, t) in tokens.iter().take(3).enumerate() {
+            counts[pos][*t as usize] += 1;
+        }
+    }
+    counts
+}
+
+#[test]
+fn speculative_sampling_matches_the_target_distribution_and_the_test_catches_a_broken_verifier() {
+    let (_dir, target, draft_model) = tiny_pair();
+    let v = target.config.vocab;
+    let prompt = [3u32, 17, 5];
+    let sampling = Sampling::new(0.9, 0.95).unwrap();
+    let exact = exact_marginals(&target, &prompt, sampling);
+    let ranking = Frequencies::from_counts(&(0..v as u64).map(|i| (i * 7919) % 31).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
+    let half = ranking.keep_set(KeepRule::Ratio(0.5), v, &[]).unwrap();
+    let mut draft = ModelDraft::new(draft_model, "tiny draft".into());
+    for (mode, keep) in [(DraftMode::Sample, Some(half.clone())), (DraftMode::Argmax, Some(half.clone())), (DraftMode::Sample, None)] {
+        let head = DraftHead::new(draft.lm_head(), keep.clone(), HeadMode::Slice).unwrap();
+        let cfg = SpecConfig { k: 2, mode, sampling, max_new_tokens: 3 };
+        let counts = first_three_counts(v, |rng| speculative_turn(&target, &[], &mut draft, &head, &prompt, &cfg, rng).unwrap().0);
+        for pos in 0..3 {
+            let p = chi_square_p(&counts[pos], &exact[pos]);
+            assert!(p > 0.001, "{mode:?} keep {:?}: token {} p-value {p}", keep.as_ref().map(|k| k.ids.len()), pos + 1);
+        }
+    }
+    // An accept-everything verifier emits the draft's own samples: the same test must reject them.
+    let (_d2, _, draft_model) = tiny_pair();
+    let counts = first_three_counts(v, |rng| {
+        let mut cache = draft_model.new_cache();
+        let mut logits = draft_model.forward(&prompt, &mut cache, &[2], &[]).unwrap().logits;
+        let (mut p, mut o, mut out) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..3 {
+            sampling.distribution(&logits, &mut p, &mut o);
+            let t = frspec::sampling::draw(&p, rng);
+            out.push(t);
+            logits = draft_model.forward(&[t], &mut cache, &[0], &[]).unwrap().logits;
+        }
+        out
+    });
+    let worst = (0..3).map(|pos| chi_square_p(&counts[pos], &exact[pos])).fold(1.0, f64::min);
+    assert!(worst < 1e-6, "samples from the draft passed as the target's (p = {worst})");
+}
+
+#[test]
+fn bad_engine_input_is_refused() {
+    let t = smollm2();
+    let mut draft = build(&DraftKind::Truncated(1), None, t, "smollm2").unwrap();
+    let head = DraftHead::new(draft.lm_head(), None, HeadMode::Slice).unwrap();
+    let cfg = SpecConfig { k: 0, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 8 };
+    let err = speculative_turn(&t.model, &[], draft.as_mut(), &head, &[1, 2], &cfg, &mut ChaCha20Rng::seed_from_u64(0)).unwrap_err();
+    assert!(err.to_string().contains("k (draft tokens per step) must be at least 1"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    synthetic::write_eagle_head(dir.path(), &Shape { vocab: 49152, ..Shape::tiny() }, 1).unwrap();
+    let err = EagleDraft::load(dir.path(), &t.model).err().unwrap().to_string();
+    assert!(err.contains("EAGLE hidden size 64 ≠ the target's 576"), "{err}");
+
+    let other = tempfile::tempdir().unwrap();
+    synthetic::write_model(other.path(), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
+    let err = build(&DraftKind::Model, Some(other.path().to_str().unwrap()), t, "smollm2").err().unwrap().to_string();
+    assert!(err.contains("does not share the target's tokenizer"), "{err}");
+
+    let wrong = KeepSet { ids: vec![0, 1], vocab: 100 };
+    let err = DraftHead::new(draft.lm_head(), Some(wrong), HeadMode::Slice).err().unwrap().to_string();
+    assert!(err.contains("vocabulary of 100"), "{err}");
+}
