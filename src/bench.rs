@@ -95,3 +95,78 @@ fn block_cost(model: &Model, prompt: &[u32], block: usize, reps: usize) -> Resul
     }
     Ok(median(&many) / median(&one))
 }
+
+/// Draft-head and draft-step cost at one keep size and head mode.
+#[derive(Serialize)]
+pub struct HeadBench {
+    pub ratio: f64,
+    pub head: String,
+    pub kept: usize,
+    /// Median seconds of one head evaluation (one hidden row → logits).
+    pub head_secs: f64,
+    /// Median seconds of one drafting round of k tokens.
+    pub draft_step_secs: f64,
+}
+
+/// Head and draft-step time for each ratio and head mode (`None` = the full head), on the chat prompt `question`.
+pub fn draft_heads(
+    target: &Target,
+    draft: &mut dyn crate::draft::Draft,
+    freqs: &crate::vocab::Frequencies,
+    ratios: &[f64],
+    k: usize,
+    reps: usize,
+    question: &str,
+) -> Result<Vec<HeadBench>> {
+    use crate::draft::{Context, DraftHead, DraftMode, HeadMode, Proposal};
+    use crate::sampling::Sampling;
+    let prompt = target.tokenizer.chat_prompt(&[Message::new("user", question)])?;
+    let model = &target.model;
+    let mut cache = model.new_cache();
+    let fwd = model.forward(&prompt, &mut cache, &[prompt.len() - 1], &[])?;
+    let mut tokens = prompt.clone();
+    tokens.push(argmax(&fwd.logits));
+    let hidden_row = fwd.hidden[fwd.hidden.len() - model.config.hidden..].to_vec();
+    let mut rng = <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(0);
+    let mut out = Vec::new();
+    let mut cases: Vec<(f64, Option<HeadMode>)> = vec![(0.0, None)];
+    for &r in ratios.iter().filter(|&&r| r > 0.0) {
+        cases.push((r, Some(HeadMode::Slice)));
+        cases.push((r, Some(HeadMode::Mask)));
+    }
+    for (ratio, mode) in cases {
+        let keep = match mode {
+            Some(_) => Some(freqs.keep_set(crate::vocab::KeepRule::Ratio(ratio), model.config.vocab, &target.tokenizer.stop_ids)?),
+            None => None,
+        };
+        let head = DraftHead::new(draft.lm_head(), keep, mode.unwrap_or(HeadMode::Slice))?;
+        let mut logits = Vec::new();
+        let mut scratch = crate::tensor::MatmulScratch::default();
+        let mut head_times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t = Instant::now();
+            head.logits(&hidden_row, &mut logits, &mut scratch);
+            head_times.push(t.elapsed().as_secs_f64());
+        }
+        let mut step_times = Vec::with_capacity(reps);
+        let mut proposal = Proposal::default();
+        let ctx = Context { tokens: &tokens, features: &fwd.hidden };
+        draft.reset();
+        draft.propose(&ctx, k, &head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
+        for _ in 0..reps {
+            // The steady state of decoding: one new token to catch up on, then k drafts.
+            draft.rollback(tokens.len() - 1, 0);
+            let t = Instant::now();
+            draft.propose(&ctx, k, &head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
+            step_times.push(t.elapsed().as_secs_f64());
+        }
+        out.push(HeadBench {
+            ratio,
+            head: mode.map_or("full".into(), |m| format!("{m:?}").to_lowercase()),
+            kept: head.kept(),
+            head_secs: median(&head_times),
+            draft_step_secs: median(&step_times),
+        });
+    }
+    Ok(out)
+}

@@ -4,7 +4,7 @@ use frspec::chat::Message;
 use frspec::decode::{speculative_turn, SpecConfig};
 use frspec::draft::{DraftHead, DraftKind, DraftMode, HeadMode};
 use frspec::sampling::Sampling;
-use frspec::vocab::{Frequencies, KeepRule, KeepSet};
+use frspec::vocab::{CorpusFormat, Frequencies, KeepRule, KeepSet};
 use frspec::target::{Target, DEFAULT_MODEL};
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
@@ -136,6 +136,35 @@ enum Command {
     /// Speed measurements.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Token-frequency files that rank the vocabulary for pruning.
+    #[command(subcommand)]
+    Freq(FreqCommand),
+}
+
+#[derive(Subcommand)]
+enum FreqCommand {
+    /// Count the tokens of corpus files with a tokenizer and write a frequency file (safetensors).
+    Build {
+        /// Tokenizer: a model spec, a .gguf, a tokenizer.json or its folder, or a named asset (llama31-tokenizer).
+        #[arg(long)]
+        tokenizer: String,
+        /// Corpus files or folders (every file inside, sorted by name).
+        #[arg(long, required = true, num_args = 1..)]
+        corpus: Vec<PathBuf>,
+        #[arg(long, value_enum, default_value = "text")]
+        format: CorpusFormat,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print the coverage of a frequency file: the share of counted tokens kept at each pruning ratio.
+    Show {
+        file: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75,0.9,0.95,0.99")]
+        ratios: Vec<f64>,
+        /// The vocabulary the ratios apply to (default: the file's own).
+        #[arg(long)]
+        vocab: Option<usize>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -152,6 +181,26 @@ enum BenchCommand {
         runs: usize,
         #[arg(long, default_value_t = 5)]
         block: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Draft LM-head time and draft-step time against the pruning ratio: full vs slice vs mask heads.
+    Draft {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        draft: Option<String>,
+        /// eagle | model | truncated:N.
+        #[arg(long, default_value = "truncated:2")]
+        draft_kind: DraftKind,
+        #[arg(long)]
+        freq: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "0.5,0.75,0.9,0.99")]
+        ratios: Vec<f64>,
+        #[arg(long, default_value_t = 4)]
+        k: usize,
+        #[arg(long, default_value_t = 50)]
+        reps: usize,
         #[arg(long)]
         json: bool,
     },
@@ -260,7 +309,101 @@ fn run(cli: Cli) -> Result<()> {
                 println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
             }
         }
+        Command::Bench(BenchCommand::Draft { model, draft, draft_kind, freq, ratios, k, reps, json }) => {
+            if k == 0 || reps == 0 {
+                bail!("--k and --reps must be at least 1");
+            }
+            for r in &ratios {
+                KeepRule::Ratio(*r).validate()?;
+            }
+            let target = model.load()?;
+            let freqs = Frequencies::load(&freq)?;
+            let mut d = frspec::draft::build(&draft_kind, draft.as_deref(), &target, &model.model)?;
+            let rows = frspec::bench::draft_heads(&target, d.as_mut(), &freqs, &ratios, k, reps, "What is the capital of France?")?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                let full = &rows[0];
+                println!("draft: {} (k = {k}, median of {reps})", d.describe());
+                println!("{:>6} {:>6} {:>8} {:>7} {:>11} {:>12} {:>15} {:>12}", "ratio", "head", "kept", "kept %", "head ms", "head ÷ full", "draft step ms", "step ÷ full");
+                for r in &rows {
+                    println!(
+                        "{:>6} {:>6} {:>8} {:>6.1}% {:>11.3} {:>12.3} {:>15.3} {:>12.3}",
+                        r.ratio, r.head, r.kept, 100.0 * r.kept as f64 / target.model.config.vocab as f64,
+                        1e3 * r.head_secs, r.head_secs / full.head_secs, 1e3 * r.draft_step_secs, r.draft_step_secs / full.draft_step_secs
+                    );
+                }
+            }
+        }
+        Command::Freq(FreqCommand::Build { tokenizer, corpus, format, out }) => freq_build(&tokenizer, &corpus, format, &out)?,
+        Command::Freq(FreqCommand::Show { file, ratios, vocab }) => {
+            let f = Frequencies::load(&file)?;
+            let vocab = match vocab.or_else(|| f.metadata.get("vocab").and_then(|v| v.parse().ok())) {
+                Some(v) => v,
+                None => bail!("{}: no vocabulary size in the file: pass --vocab", file.display()),
+            };
+            let mut meta: Vec<_> = f.metadata.iter().collect();
+            meta.sort();
+            for (k, v) in meta {
+                println!("{k}: {v}");
+            }
+            println!("{:>7} {:>8} {:>10}", "ratio", "kept", "coverage");
+            for r in ratios {
+                KeepRule::Ratio(r).validate()?;
+                let kept = ((1.0 - r) * vocab as f64).ceil() as usize;
+                let cov = f.coverage(kept).ok_or_else(|| anyhow::anyhow!("{} has no counts", file.display()))?;
+                println!("{r:>7} {kept:>8} {:>9.2}%", 100.0 * cov);
+            }
+        }
     }
+    Ok(())
+}
+
+fn freq_build(tokenizer: &str, corpus: &[PathBuf], format: CorpusFormat, out: &std::path::Path) -> Result<()> {
+    let tok = frspec::tokenizer::Tokenizer::load(tokenizer)?;
+    let mut files = Vec::new();
+    for c in corpus {
+        if c.is_dir() {
+            let mut inside: Vec<PathBuf> = std::fs::read_dir(c)
+                .with_context(|| format!("cannot read corpus folder {}", c.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file() && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+                .collect();
+            inside.sort();
+            files.extend(inside);
+        } else if c.is_file() {
+            files.push(c.clone());
+        } else {
+            bail!("corpus file {} does not exist", c.display());
+        }
+    }
+    let bar = indicatif::ProgressBar::new(files.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} files, {msg} tokens, {elapsed} (ETA {eta})")?,
+    );
+    let mut counts = vec![0u64; tok.vocab_size];
+    for f in &files {
+        let lines = frspec::vocab::corpus_lines(f, format)?;
+        let c = frspec::vocab::count_tokens(&tok, &lines, tok.vocab_size)?;
+        counts.iter_mut().zip(c).for_each(|(a, b)| *a += b);
+        bar.set_message(counts.iter().sum::<u64>().to_string());
+        bar.inc(1);
+    }
+    bar.finish();
+    let total: u64 = counts.iter().sum();
+    if total == 0 {
+        bail!("the corpus ({} files) holds no tokens", files.len());
+    }
+    let mut freq = Frequencies::from_counts(&counts, out);
+    freq.metadata.insert("tokenizer".into(), tokenizer.to_string());
+    freq.metadata.insert("tokenizer_hash".into(), format!("{:016x}", tok.vocab_hash()));
+    freq.metadata.insert("vocab".into(), tok.vocab_size.to_string());
+    freq.metadata.insert("corpus".into(), corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(" "));
+    freq.metadata.insert("corpus_files".into(), files.len().to_string());
+    freq.metadata.insert("tokens".into(), total.to_string());
+    freq.metadata.insert("distinct_ids".into(), counts.iter().filter(|&&c| c > 0).count().to_string());
+    freq.metadata.insert("ties".into(), "count descending, then id ascending".into());
+    freq.save(out)?;
+    eprintln!("{} tokens, {} distinct ids → {}", total, freq.metadata["distinct_ids"], out.display());
     Ok(())
 }
 

@@ -54,7 +54,12 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
         bail!("model {spec}: no such file or folder, and not a hub repo id (org/name[@revision])");
     };
     let hub = Hub::from_env()?;
-    let config = hub.file(RepoKind::Model, &repo, "config.json")?;
+    // A tokenizer-only repo has no config.json: its folder is the tokenizer.
+    let Some(config) = hub.optional_file(RepoKind::Model, &repo, "config.json")? else {
+        let tokenizer = hub.file(RepoKind::Model, &repo, "tokenizer.json")?;
+        hub.optional_file(RepoKind::Model, &repo, "tokenizer_config.json")?;
+        return Ok(tokenizer.parent().expect("a cached file lives in a snapshot folder").to_path_buf());
+    };
     for file in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
         hub.optional_file(RepoKind::Model, &repo, file)?;
     }

@@ -200,3 +200,16 @@ impl Tokenizer {
         self.encode(&template.render(messages, true)?)
     }
 }
+
+impl Tokenizer {
+    /// A tokenizer on its own: a named asset, a `.gguf`, a `tokenizer.json` or its folder, or a model spec that
+    /// `target::resolve` understands (hub repo ids included).
+    pub fn load(spec: &str) -> Result<Tokenizer> {
+        let path = crate::target::resolve(spec)?;
+        if path.extension().is_some_and(|e| e == "gguf") {
+            return Tokenizer::from_gguf(&Gguf::open(&path)?);
+        }
+        let dir = if path.is_dir() { path.clone() } else { path.parent().unwrap_or(Path::new(".")).to_path_buf() };
+        Tokenizer::from_hf_dir(&dir)
+    }
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Brown-corpus token frequencies for the Llama-3.1 and SmolLM2 tokenizers, written into the asset cache, and
+# their coverage tables into results/freq/. Needs scripts/fetch-assets.sh first. Usage: scripts/build-freq.sh [frspec]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+frspec=${1:-${CARGO_TARGET_DIR:-$HOME/.cache/frspec-target}/release/frspec}
+cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
+mkdir -p "$cache/freq" results/freq
+for tok in llama31-tokenizer smollm2; do
+  out="$cache/freq/brown-$tok.safetensors"
+  "$frspec" freq build --tokenizer "$tok" --corpus "$cache/brown" --format tagged --out "$out"
+  {
+    echo "# Brown corpus coverage, $tok"
+    echo
+    echo "Command: \`frspec freq build --tokenizer $tok --corpus \$FRSPEC_CACHE/brown --format tagged --out $(basename "$out")\`"
+    echo "then \`frspec freq show $(basename "$out")\`. Coverage = share of the corpus's tokens whose id is kept."
+    echo
+    echo '```'
+    "$frspec" freq show "$out" --ratios 0.25,0.5,0.75,0.9,0.95,0.99 | grep -v '^corpus:'
+    echo '```'
+  } >"results/freq/brown-$tok.md"
+done
