@@ -249,3 +249,43 @@ fn bad_engine_input_is_refused() {
     let err = DraftHead::new(draft.lm_head(), Some(wrong), HeadMode::Slice).err().unwrap().to_string();
     assert!(err.contains("vocabulary of 100"), "{err}");
 }
+
+#[test]
+fn eagle1_checkpoints_with_yuhuilis_key_names_load_from_pickle_and_safetensors() {
+    let dir = tempfile::tempdir().unwrap();
+    synthetic::write_model(dir.path(), &Shape::tiny(), 8, candle_core::DType::F32).unwrap();
+    let target = Model::load(dir.path()).unwrap();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures");
+    let mut from_pickle = EagleDraft::load(&fixtures.join("eagle1-tiny"), &target).unwrap();
+    let mut from_safetensors = EagleDraft::load(&fixtures.join("eagle1-tiny-safetensors"), &target).unwrap();
+    let ranking = Frequencies::from_counts(&(0..260u64).map(|i| (i * 37) % 101).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
+    let prompts: [&[u32]; 3] = [&[256, 72, 105, 33, 257, 256], &[1, 2, 3, 4, 5], &[200, 100, 50]];
+    for prompt in prompts {
+        let want = generate_tiny(&target, prompt, 24);
+        for ratio in [0.0, 0.5, 0.9] {
+            let keep = (ratio > 0.0).then(|| ranking.keep_set(KeepRule::Ratio(ratio), 260, &[]).unwrap());
+            let cfg = SpecConfig { k: 3, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 24 };
+            let mut outs = Vec::new();
+            for draft in [&mut from_pickle as &mut dyn Draft, &mut from_safetensors] {
+                let head = DraftHead::new(draft.lm_head(), keep.clone(), HeadMode::Slice).unwrap();
+                let mut rng = ChaCha20Rng::seed_from_u64(0);
+                outs.push(speculative_turn(&target, &[], draft, &head, prompt, &cfg, &mut rng).unwrap());
+            }
+            assert_eq!(outs[0].0, want, "EAGLE-1 from pytorch_model.bin, ratio {ratio}: output differs from target greedy");
+            assert_eq!(outs[0].0, outs[1].0);
+            assert_eq!(outs[0].1.without_timings(), outs[1].1.without_timings(), "pickle and safetensors heads draft alike");
+        }
+    }
+}
+
+fn generate_tiny(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = m.new_cache();
+    let mut logits = m.forward(prompt, &mut cache, &[prompt.len() - 1], &[]).unwrap().logits;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let t = frspec::sampling::argmax(&logits);
+        out.push(t);
+        logits = m.forward(&[t], &mut cache, &[0], &[]).unwrap().logits;
+    }
+    out
+}
