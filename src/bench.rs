@@ -123,7 +123,9 @@ pub fn draft_heads(
     let prompt = target.tokenizer.chat_prompt(&[Message::new("user", question)])?;
     let model = &target.model;
     let mut cache = model.new_cache();
-    let fwd = model.forward(&prompt, &mut cache, &[prompt.len() - 1], &[])?;
+    let fwd = model.forward(&prompt, &mut cache, &[prompt.len() - 1], &draft.target_layers())?;
+    let mut layer_features = Vec::new();
+    crate::decode::interleave(&fwd.layer_inputs, model.config.hidden, &mut layer_features);
     let mut tokens = prompt.clone();
     tokens.push(argmax(&fwd.logits));
     let hidden_row = fwd.hidden[fwd.hidden.len() - model.config.hidden..].to_vec();
@@ -150,7 +152,7 @@ pub fn draft_heads(
         }
         let mut step_times = Vec::with_capacity(reps);
         let mut proposal = Proposal::default();
-        let ctx = Context { tokens: &tokens, features: &fwd.hidden };
+        let ctx = Context { tokens: &tokens, features: &fwd.hidden, layer_features: &layer_features };
         draft.reset();
         draft.propose(&ctx, k, &head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
         for _ in 0..reps {

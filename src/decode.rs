@@ -92,8 +92,11 @@ pub fn speculative_turn(
     draft.reset();
     let mut cache = target.new_cache();
     let t0 = Instant::now();
-    let prefill = target.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?;
+    let layers = draft.target_layers();
+    let prefill = target.forward(prompt, &mut cache, &[prompt.len() - 1], &layers)?;
     let mut features = prefill.hidden;
+    let mut layer_features = Vec::new();
+    interleave(&prefill.layer_inputs, h, &mut layer_features);
     cfg.sampling.distribution(&prefill.logits, &mut s.p, &mut s.order);
     let first = draw(&s.p, rng);
     rec.target_secs += t0.elapsed().as_secs_f64();
@@ -123,15 +126,17 @@ pub fn speculative_turn(
         let mut block = vec![last];
         if k > 0 {
             let t = Instant::now();
-            draft.propose(&Context { tokens: &tokens, features: &features }, k, head, cfg.mode, cfg.sampling, rng, &mut s.proposal)?;
+            let ctx = Context { tokens: &tokens, features: &features, layer_features: &layer_features };
+            draft.propose(&ctx, k, head, cfg.mode, cfg.sampling, rng, &mut s.proposal)?;
             rec.draft_secs += t.elapsed().as_secs_f64();
             block.extend_from_slice(&s.proposal.tokens);
         }
 
         let t = Instant::now();
         let rows: Vec<usize> = (0..=k).collect();
-        let verify = target.forward(&block, &mut cache, &rows, &[])?;
+        let verify = target.forward(&block, &mut cache, &rows, &layers)?;
         features.extend_from_slice(&verify.hidden);
+        interleave(&verify.layer_inputs, h, &mut layer_features);
         let mut accepted = 0;
         let mut next = None;
         let mut survive = 1.0f64;
@@ -171,6 +176,7 @@ pub fn speculative_turn(
         // Keep the target's positions up to the last accepted draft; the new token is fed next step.
         cache.truncate(n + accepted);
         features.truncate((n + accepted) * h);
+        layer_features.truncate((n + accepted) * h * layers.len());
         draft.rollback(n, accepted);
         for &t in s.proposal.tokens[..accepted].iter().chain(std::iter::once(&next)) {
             tokens.push(t);
@@ -186,6 +192,16 @@ pub fn speculative_turn(
     let generated = tokens[prompt.len()..].to_vec();
     rec.generated = generated.len();
     Ok((generated, rec))
+}
+
+/// Append, position by position, the concatenation of each captured layer's row (`[n, hidden]` each).
+pub(crate) fn interleave(per_layer: &[Vec<f32>], hidden: usize, out: &mut Vec<f32>) {
+    let Some(first) = per_layer.first() else { return };
+    for i in 0..first.len() / hidden {
+        for layer in per_layer {
+            out.extend_from_slice(&layer[i * hidden..(i + 1) * hidden]);
+        }
+    }
 }
 
 /// The token emitted when draft i is rejected: a draw from norm(max(0, p − q_i)).

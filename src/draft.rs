@@ -23,69 +23,92 @@ pub enum HeadMode {
     Mask,
 }
 
+/// A draft's LM head before pruning: its rows and, when row r is not token r (EAGLE-3's draft vocabulary),
+/// the target id of each row.
+#[derive(Clone)]
+pub struct LmHead {
+    pub matrix: Arc<Matrix>,
+    pub row_ids: Option<Arc<Vec<u32>>>,
+    /// The target vocabulary the ids belong to.
+    pub vocab: usize,
+}
+
+impl From<Arc<Matrix>> for LmHead {
+    fn from(matrix: Arc<Matrix>) -> LmHead {
+        let vocab = matrix.rows;
+        LmHead { matrix, row_ids: None, vocab }
+    }
+}
+
+impl LmHead {
+    fn row_id(&self, row: usize) -> u32 {
+        self.row_ids.as_ref().map_or(row as u32, |ids| ids[row])
+    }
+}
+
 /// The LM head a draft proposes through: the full head, or pruned to a keep set.
 pub struct DraftHead {
-    full: Arc<Matrix>,
-    sliced: Option<Matrix>,
-    keep: Option<KeepSet>,
-    mode: HeadMode,
+    lm: LmHead,
+    /// Slice mode: the kept rows gathered into one matrix, and their target ids.
+    sliced: Option<(Matrix, Vec<u32>)>,
+    /// Mask mode: which rows are kept.
+    mask: Option<Vec<bool>>,
+    kept: usize,
 }
 
 impl DraftHead {
-    pub fn new(full: Arc<Matrix>, keep: Option<KeepSet>, mode: HeadMode) -> Result<DraftHead> {
-        if let Some(k) = &keep {
-            if k.vocab != full.rows {
-                bail!("keep set is for a vocabulary of {} ids, the draft head has {} rows", k.vocab, full.rows);
-            }
-        }
+    pub fn new(lm: impl Into<LmHead>, keep: Option<KeepSet>, mode: HeadMode) -> Result<DraftHead> {
+        let lm = lm.into();
+        let rows = lm.matrix.rows;
         // A keep set holding every id is no pruning: use the full head in either mode.
-        let keep = keep.filter(|k| k.ids.len() < full.rows);
-        let sliced = match (&keep, mode) {
-            (Some(k), HeadMode::Slice) => Some(full.select_rows(&k.ids)),
-            _ => None,
+        let Some(keep) = keep.filter(|k| k.ids.len() < lm.vocab) else {
+            return Ok(DraftHead { lm, sliced: None, mask: None, kept: rows });
         };
-        Ok(DraftHead { full, sliced, keep, mode })
+        if keep.vocab != lm.vocab {
+            bail!("keep set is for a vocabulary of {} ids, the draft head's vocabulary has {}", keep.vocab, lm.vocab);
+        }
+        let kept_rows: Vec<bool> = (0..rows).map(|r| keep.contains(lm.row_id(r))).collect();
+        let kept = kept_rows.iter().filter(|&&k| k).count();
+        if kept == 0 {
+            bail!("the keep set shares no id with the draft head's vocabulary");
+        }
+        Ok(match mode {
+            HeadMode::Slice => {
+                let picked: Vec<u32> = (0..rows as u32).filter(|&r| kept_rows[r as usize]).collect();
+                let ids = picked.iter().map(|&r| lm.row_id(r as usize)).collect();
+                let sliced = Some((lm.matrix.select_rows(&picked), ids));
+                DraftHead { lm, sliced, mask: None, kept }
+            }
+            HeadMode::Mask => DraftHead { lm, sliced: None, mask: Some(kept_rows), kept },
+        })
     }
 
+    /// The target vocabulary size.
     pub fn vocab(&self) -> usize {
-        self.full.rows
+        self.lm.vocab
     }
 
+    /// Rows the head computes logits for that can be proposed.
     pub fn kept(&self) -> usize {
-        self.keep.as_ref().map_or(self.full.rows, |k| k.ids.len())
+        self.kept
     }
 
-    /// Logits of one hidden row in head space: V′ entries (slice) or V entries (full, mask).
+    /// Logits of one hidden row in head space: one entry per kept row (slice) or per row (full, mask; pruned
+    /// rows are −∞). Kept rows keep their order, so slice and mask draw identically from one random stream.
     pub fn logits(&self, hidden: &[f32], out: &mut Vec<f32>, scratch: &mut MatmulScratch) {
-        let m = self.sliced.as_ref().unwrap_or(&self.full);
+        let m = self.sliced.as_ref().map_or(&*self.lm.matrix, |(m, _)| m);
         out.resize(m.rows, 0.0);
         m.matmul(hidden, out, scratch);
-        if let (Some(keep), HeadMode::Mask) = (&self.keep, self.mode) {
-            let mut next = keep.ids.iter().peekable();
-            for (id, l) in out.iter_mut().enumerate() {
-                if next.peek() == Some(&&(id as u32)) {
-                    next.next();
-                } else {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
+        if let Some(mask) = &self.mask {
+            out.iter_mut().zip(mask).filter(|(_, &keep)| !keep).for_each(|(l, _)| *l = f32::NEG_INFINITY);
         }
     }
 
     /// Token id of a head-space index.
     pub fn id(&self, index: usize) -> u32 {
         match &self.sliced {
-            Some(_) => self.keep.as_ref().expect("a sliced head has a keep set").ids[index],
-            None => index as u32,
-        }
-    }
-
-    /// Head-space index of a token id, None when the id is pruned.
-    pub fn index(&self, id: u32) -> Option<usize> {
-        match (&self.sliced, &self.keep) {
-            (Some(_), Some(k)) => k.index_of(id),
-            (None, Some(k)) if !k.contains(id) => None,
-            _ => Some(id as usize),
+            Some((_, ids)) => ids[index],
+            None => self.lm.row_id(index),
         }
     }
 }
@@ -155,12 +178,19 @@ pub struct Context<'a> {
     pub tokens: &'a [u32],
     /// The target's post-norm hidden states, `[tokens.len() - 1, hidden]`.
     pub features: &'a [f32],
+    /// The residual streams entering the draft's `target_layers`, concatenated per position:
+    /// `[tokens.len() - 1, layers · hidden]` (EAGLE-3); empty for other drafts.
+    pub layer_features: &'a [f32],
 }
 
 pub trait Draft {
     fn describe(&self) -> String;
     /// The LM head the draft's logits come from (before pruning).
-    fn lm_head(&self) -> Arc<Matrix>;
+    fn lm_head(&self) -> LmHead;
+    /// Target layers whose input streams the draft reads (EAGLE-3's auxiliary hidden states).
+    fn target_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
     /// Forget the sequence (a new turn).
     fn reset(&mut self);
     /// Propose `k` tokens after `ctx.tokens`.
@@ -199,8 +229,8 @@ impl Draft for ModelDraft {
         self.label.clone()
     }
 
-    fn lm_head(&self) -> Arc<Matrix> {
-        self.model.lm_head_shared()
+    fn lm_head(&self) -> LmHead {
+        self.model.lm_head_shared().into()
     }
 
     fn reset(&mut self) {
@@ -256,6 +286,8 @@ pub struct EagleDraft<'a> {
 struct TensorFile {
     path: PathBuf,
     tensors: HashMap<String, Tensor>,
+    /// What the checkpoint calls its decoder layer: `layers.0.` (EAGLE-1) or `midlayer.` (EAGLE-3).
+    layer_prefix: &'static str,
 }
 
 impl TensorFile {
@@ -265,18 +297,33 @@ impl TensorFile {
         } else {
             candle_core::pickle::read_all(path).map_err(|e| anyhow!("{}: {e}", path.display()))?.into_iter().collect()
         };
-        Ok(TensorFile { path: path.to_path_buf(), tensors })
+        Ok(TensorFile { path: path.to_path_buf(), tensors, layer_prefix: "layers.0." })
     }
 
     /// EAGLE checkpoints name layers as HF does, without the `model.` prefix.
-    fn key(name: &str) -> String {
+    fn key(&self, name: &str) -> String {
         let hf = crate::weights::hf_name(name);
-        hf.strip_prefix("model.").map(String::from).unwrap_or(hf)
+        let hf = hf.strip_prefix("model.").map(String::from).unwrap_or(hf);
+        match hf.strip_prefix("layers.0.") {
+            Some(rest) => format!("{}{rest}", self.layer_prefix),
+            None => hf,
+        }
     }
 
     fn get(&self, name: &str) -> Result<&Tensor> {
-        let key = Self::key(name);
-        self.tensors.get(&key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))
+        self.raw(&self.key(name))
+    }
+
+    fn raw(&self, key: &str) -> Result<&Tensor> {
+        self.tensors.get(key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))
+    }
+
+    fn raw_vector(&self, key: &str, len: usize) -> Result<Vec<f32>> {
+        let v = self.raw(key)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if v.len() != len {
+            bail!("{}: {key} has {} values, expected {len}", self.path.display(), v.len());
+        }
+        Ok(v)
     }
 }
 
@@ -286,13 +333,13 @@ impl WeightSource for TensorFile {
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(&Self::key(name))
+        self.tensors.contains_key(&self.key(name))
     }
 
     fn matrix(&self, name: &str) -> Result<Matrix> {
         let t = self.get(name)?;
         let &[rows, cols] = t.dims() else {
-            bail!("{}: tensor {} has shape {:?}, expected 2 dimensions", self.path.display(), Self::key(name), t.dims())
+            bail!("{}: tensor {} has shape {:?}, expected 2 dimensions", self.path.display(), self.key(name), t.dims())
         };
         let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         Ok(Matrix { rows, cols, storage: crate::tensor::Storage::F32(values) })
@@ -316,12 +363,7 @@ impl<'a> EagleDraft<'a> {
             bail!("{}: EAGLE vocabulary {} ≠ the target's {}", config_path.display(), config.vocab, t.vocab);
         }
         config.layers = 1;
-        let weights = ["model.safetensors", "pytorch_model.bin"]
-            .iter()
-            .map(|f| dir.join(f))
-            .find(|p| p.is_file())
-            .ok_or_else(|| anyhow!("{}: no model.safetensors or pytorch_model.bin", dir.display()))?;
-        let src = TensorFile::open(&weights).with_context(|| format!("loading EAGLE head {}", dir.display()))?;
+        let src = TensorFile::open(&checkpoint(dir)?).with_context(|| format!("loading EAGLE head {}", dir.display()))?;
         let fc = load_linear(&src, "fc", config.hidden, 2 * config.hidden)?;
         let layer = load_layer(&src, &config, "blk.0", false)?;
         let geometry = Geometry::new(&config, None);
@@ -350,7 +392,7 @@ impl<'a> EagleDraft<'a> {
         }
         let mut x = vec![0.0; tokens.len() * h];
         self.fc.forward(&self.pair, &mut x, self.cache.matmul_scratch());
-        self.cache.advance(&self.geometry, std::slice::from_ref(&self.layer), &mut x, |_, _| {});
+        self.cache.advance(&self.geometry, std::slice::from_ref(&self.layer), &mut x, None, |_, _| {});
         Ok(x)
     }
 }
@@ -360,8 +402,8 @@ impl Draft for EagleDraft<'_> {
         format!("EAGLE-1 head {}", self.source.display())
     }
 
-    fn lm_head(&self) -> Arc<Matrix> {
-        self.target.lm_head_shared()
+    fn lm_head(&self) -> LmHead {
+        self.target.lm_head_shared().into()
     }
 
     fn reset(&mut self) {
@@ -401,11 +443,190 @@ impl Draft for EagleDraft<'_> {
     }
 }
 
+/// The weights file of an EAGLE head folder.
+fn checkpoint(dir: &Path) -> Result<PathBuf> {
+    ["model.safetensors", "pytorch_model.bin"]
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.is_file())
+        .ok_or_else(|| anyhow!("{}: no model.safetensors or pytorch_model.bin", dir.display()))
+}
+
+/// EAGLE-3 (SafeAILab `cnets.py`, vLLM `llama_eagle3.py`): g = fc(cat of the target's residual streams entering
+/// three layers); one `midlayer` attending over cat(input_layernorm(embed(t)), hidden_norm(g)) with g as the
+/// residual; its own final `norm` and `lm_head` over a draft vocabulary whose row d is target id d + d2t[d].
+/// Later drafting steps feed the layer's own pre-norm output in place of g.
+pub struct Eagle3Draft<'a> {
+    target: &'a Model,
+    fc: Linear,
+    layer: Layer,
+    input_norm: Vec<f32>,
+    hidden_norm: Vec<f32>,
+    norm: Vec<f32>,
+    lm_head: LmHead,
+    aux_layers: Vec<usize>,
+    geometry: Geometry,
+    cache: Cache,
+    chooser: Chooser,
+    embeds: Vec<f32>,
+    attn_input: Vec<f32>,
+    normed: Vec<f32>,
+    source: PathBuf,
+}
+
+impl<'a> Eagle3Draft<'a> {
+    /// `dir` holds config.json (with `draft_vocab_size`) and the checkpoint with yuhuili's EAGLE-3 key names.
+    pub fn load(dir: &Path, target: &'a Model) -> Result<Eagle3Draft<'a>> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
+        let raw: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", config_path.display()))?;
+        // The checkpoint's architecture name is EAGLE-specific; the layer itself is a Llama layer.
+        let mut config = crate::model::hf_config_from(raw.clone(), &config_path, true)?;
+        let t = &target.config;
+        if config.hidden != t.hidden {
+            bail!("{}: EAGLE-3 hidden size {} ≠ the target's {}", config_path.display(), config.hidden, t.hidden);
+        }
+        if config.vocab != t.vocab {
+            bail!("{}: EAGLE-3 vocabulary {} ≠ the target's {}", config_path.display(), config.vocab, t.vocab);
+        }
+        config.layers = 1;
+        let draft_vocab = raw["draft_vocab_size"].as_u64().map_or(config.vocab, |v| v as usize);
+        let aux_layers: Vec<usize> = match raw.pointer("/eagle_config/eagle_aux_hidden_state_layer_ids").and_then(|v| v.as_array()) {
+            Some(ids) => ids.iter().filter_map(|v| v.as_u64()).map(|v| v as usize).collect(),
+            None => vec![2, t.layers / 2, t.layers.saturating_sub(3)],
+        };
+        if aux_layers.len() != 3 || aux_layers.iter().any(|&l| l >= t.layers) || t.layers < 4 {
+            bail!("{}: auxiliary layers {aux_layers:?} do not fit a target of {} layers", config_path.display(), t.layers);
+        }
+        let mut src = TensorFile::open(&checkpoint(dir)?).with_context(|| format!("loading EAGLE-3 head {}", dir.display()))?;
+        src.layer_prefix = "midlayer.";
+        let h = config.hidden;
+        let (qd, kvd) = (config.heads * config.head_dim, config.kv_heads * config.head_dim);
+        let layer = Layer {
+            attn_norm: None,
+            q: load_linear(&src, "blk.0.attn_q", qd, 2 * h)?,
+            k: load_linear(&src, "blk.0.attn_k", kvd, 2 * h)?,
+            v: load_linear(&src, "blk.0.attn_v", kvd, 2 * h)?,
+            o: load_linear(&src, "blk.0.attn_output", h, qd)?,
+            ffn_norm: crate::model::load_norm(&src, "blk.0.ffn_norm.weight", h)?,
+            gate: load_linear(&src, "blk.0.ffn_gate", config.intermediate, h)?,
+            up: load_linear(&src, "blk.0.ffn_up", config.intermediate, h)?,
+            down: load_linear(&src, "blk.0.ffn_down", h, config.intermediate)?,
+        };
+        let head = load_linear(&src, "output", draft_vocab, h)?.weight;
+        let d2t = src.raw("d2t")?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        if d2t.len() != draft_vocab {
+            bail!("{}: d2t has {} entries, the draft vocabulary {draft_vocab}", src.path.display(), d2t.len());
+        }
+        let row_ids = d2t
+            .iter()
+            .enumerate()
+            .map(|(d, off)| match u32::try_from(d as i64 + off) {
+                Ok(id) if (id as usize) < t.vocab => Ok(id),
+                _ => Err(anyhow!("{}: d2t maps draft id {d} outside the target vocabulary", src.path.display())),
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        let geometry = Geometry::new(&config, None);
+        Ok(Eagle3Draft {
+            target,
+            fc: load_linear(&src, "fc", h, 3 * h)?,
+            layer,
+            input_norm: src.raw_vector("midlayer.input_layernorm.weight", h)?,
+            hidden_norm: src.raw_vector("midlayer.hidden_norm.weight", h)?,
+            norm: src.raw_vector("norm.weight", h)?,
+            lm_head: LmHead { matrix: Arc::new(head), row_ids: Some(Arc::new(row_ids)), vocab: t.vocab },
+            aux_layers,
+            cache: Cache::new(1, &geometry),
+            geometry,
+            chooser: Chooser::default(),
+            embeds: Vec::new(),
+            attn_input: Vec::new(),
+            normed: Vec::new(),
+            source: dir.to_path_buf(),
+        })
+    }
+
+    /// Run inputs g (`[n, hidden]`) with the next tokens through the midlayer; returns the pre-norm outputs.
+    fn step(&mut self, g: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
+        let (h, eps) = (self.geometry.hidden, self.geometry.rms_eps);
+        self.target.embed_into(tokens, &mut self.embeds)?;
+        let n = tokens.len();
+        let mut e = vec![0.0; n * h];
+        let mut hn = vec![0.0; n * h];
+        crate::model::rms_norm(&self.embeds, &self.input_norm, eps, &mut e);
+        crate::model::rms_norm(g, &self.hidden_norm, eps, &mut hn);
+        self.attn_input.clear();
+        for (er, hr) in e.chunks_exact(h).zip(hn.chunks_exact(h)) {
+            self.attn_input.extend_from_slice(er);
+            self.attn_input.extend_from_slice(hr);
+        }
+        let mut x = g.to_vec();
+        self.cache.advance(&self.geometry, std::slice::from_ref(&self.layer), &mut x, Some(&self.attn_input), |_, _| {});
+        Ok(x)
+    }
+}
+
+impl Draft for Eagle3Draft<'_> {
+    fn describe(&self) -> String {
+        format!("EAGLE-3 head {}", self.source.display())
+    }
+
+    fn lm_head(&self) -> LmHead {
+        self.lm_head.clone()
+    }
+
+    fn target_layers(&self) -> Vec<usize> {
+        self.aux_layers.clone()
+    }
+
+    fn reset(&mut self) {
+        self.cache.truncate(0);
+    }
+
+    fn propose(
+        &mut self,
+        ctx: &Context,
+        k: usize,
+        head: &DraftHead,
+        mode: DraftMode,
+        sampling: Sampling,
+        rng: &mut dyn rand::Rng,
+        out: &mut Proposal,
+    ) -> Result<()> {
+        out.clear();
+        let h = self.geometry.hidden;
+        let n = ctx.tokens.len();
+        let seen = self.cache.len();
+        let aux = &ctx.layer_features[seen * 3 * h..(n - 1) * 3 * h];
+        let mut g = vec![0.0; (n - 1 - seen) * h];
+        self.fc.forward(aux, &mut g, self.cache.matmul_scratch());
+        let mut pre = self.step(&g, &ctx.tokens[seen + 1..n])?;
+        for step in 0..k {
+            let last = pre[pre.len() - h..].to_vec();
+            self.normed.resize(h, 0.0);
+            crate::model::rms_norm(&last, &self.norm, self.geometry.rms_eps, &mut self.normed);
+            let normed = std::mem::take(&mut self.normed);
+            self.chooser.choose(head, &normed, mode, sampling, rng, out);
+            self.normed = normed;
+            if step + 1 < k {
+                pre = self.step(&last, &out.tokens[step..step + 1])?;
+            }
+        }
+        Ok(())
+    }
+
+    fn rollback(&mut self, before: usize, _accepted: usize) {
+        self.cache.truncate(before - 1);
+    }
+}
+
 /// Which kind of draft `--draft` names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DraftKind {
     /// An EAGLE-1 head folder.
     Eagle,
+    /// An EAGLE-3 head folder.
+    Eagle3,
     /// An independent model sharing the target's tokenizer.
     Model,
     /// The target's first N layers (+ final norm + LM head); needs no `--draft`.
@@ -418,10 +639,11 @@ impl std::str::FromStr for DraftKind {
     fn from_str(s: &str) -> Result<DraftKind> {
         match s {
             "eagle" => Ok(DraftKind::Eagle),
+            "eagle3" => Ok(DraftKind::Eagle3),
             "model" => Ok(DraftKind::Model),
             _ => match s.strip_prefix("truncated:").map(str::parse::<usize>) {
                 Some(Ok(n)) if n > 0 => Ok(DraftKind::Truncated(n)),
-                _ => bail!("draft kind '{s}' is not one of eagle, model, truncated:N (N ≥ 1)"),
+                _ => bail!("draft kind '{s}' is not one of eagle, eagle3, model, truncated:N (N ≥ 1)"),
             },
         }
     }
@@ -455,6 +677,11 @@ pub fn build<'a>(
             let spec = draft.ok_or_else(|| anyhow!("--draft-kind eagle needs --draft"))?;
             let dir = crate::target::resolve(spec)?;
             Ok(Box::new(EagleDraft::load(&dir, &target.model)?))
+        }
+        DraftKind::Eagle3 => {
+            let spec = draft.ok_or_else(|| anyhow!("--draft-kind eagle3 needs --draft"))?;
+            let dir = crate::target::resolve(spec)?;
+            Ok(Box::new(Eagle3Draft::load(&dir, &target.model)?))
         }
     }
 }

@@ -42,7 +42,7 @@ struct SpecArgs {
     /// Draft: an EAGLE-1 head folder or repo, or a draft model; absent with --draft-kind truncated:N.
     #[arg(long)]
     draft: Option<String>,
-    /// eagle | model | truncated:N. Without it and without --draft, decoding is target-only.
+    /// eagle | eagle3 | model | truncated:N. Without it and without --draft, decoding is target-only.
     #[arg(long)]
     draft_kind: Option<DraftKind>,
     /// Token frequencies that rank the vocabulary for pruning (frspec, FR-Spec or vLLM format).
@@ -190,7 +190,7 @@ enum BenchCommand {
         model: ModelArgs,
         #[arg(long)]
         draft: Option<String>,
-        /// eagle | model | truncated:N.
+        /// eagle | eagle3 | model | truncated:N.
         #[arg(long, default_value = "truncated:2")]
         draft_kind: DraftKind,
         #[arg(long)]

@@ -180,7 +180,8 @@ impl Geometry {
 impl Layer {
     /// Advance the residual stream `x` (`[n, hidden]`, positions `start..`) through this layer, appending the
     /// block's keys and values to `kv`. `w.cos`/`w.sin` must hold the rope tables for these positions.
-    pub fn forward(&self, g: &Geometry, x: &mut [f32], kv: &mut LayerCache, start: usize, w: &mut Workspace) {
+    /// `attn_input` replaces the attention's input (EAGLE-3 attends over [embedding; hidden], 2·hidden wide).
+    pub fn forward(&self, g: &Geometry, x: &mut [f32], attn_input: Option<&[f32]>, kv: &mut LayerCache, start: usize, w: &mut Workspace) {
         let n = x.len() / g.hidden;
         let (h, qd, kvd) = (g.hidden, g.heads * g.head_dim, g.kv_width());
         w.normed.resize(n * h, 0.0);
@@ -191,12 +192,13 @@ impl Layer {
         w.proj.resize(n * h, 0.0);
         w.gate.resize(n * g.intermediate, 0.0);
         w.up.resize(n * g.intermediate, 0.0);
-        let attn_in: &[f32] = match &self.attn_norm {
-            Some(norm) => {
+        let attn_in: &[f32] = match (attn_input, &self.attn_norm) {
+            (Some(input), _) => input,
+            (None, Some(norm)) => {
                 rms_norm(x, norm, g.rms_eps, &mut w.normed);
                 &w.normed
             }
-            None => x,
+            (None, None) => x,
         };
         self.q.forward(attn_in, &mut w.q, &mut w.matmul.0);
         self.k.forward(attn_in, &mut w.k, &mut w.matmul.0);
@@ -318,14 +320,22 @@ impl Cache {
     }
 
     /// Run `layers` over the residual stream `x` (`[n, hidden]`) at positions `len()..`, appending to the cache.
-    /// `capture(i, x)` sees the stream entering layer i.
-    pub fn advance(&mut self, g: &Geometry, layers: &[Layer], x: &mut [f32], mut capture: impl FnMut(usize, &[f32])) {
+    /// `first_attn_input` replaces the first layer's attention input; `capture(i, x)` sees the stream entering
+    /// layer i.
+    pub fn advance(
+        &mut self,
+        g: &Geometry,
+        layers: &[Layer],
+        x: &mut [f32],
+        first_attn_input: Option<&[f32]>,
+        mut capture: impl FnMut(usize, &[f32]),
+    ) {
         let n = x.len() / g.hidden;
         let start = self.len;
         g.rope_tables(start, n, &mut self.work);
         for (i, (layer, kv)) in layers.iter().zip(&mut self.layers).enumerate() {
             capture(i, x);
-            layer.forward(g, x, kv, start, &mut self.work);
+            layer.forward(g, x, if i == 0 { first_attn_input } else { None }, kv, start, &mut self.work);
         }
         self.len = start + n;
     }
@@ -426,7 +436,7 @@ impl Model {
         let mut x = std::mem::take(&mut cache.work.x);
         self.embed_into(tokens, &mut x)?;
         let mut layer_inputs = vec![Vec::new(); capture_layers.len()];
-        cache.advance(&self.geometry, &self.layers, &mut x, |i, stream| {
+        cache.advance(&self.geometry, &self.layers, &mut x, None, |i, stream| {
             for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == i) {
                 layer_inputs[slot] = stream.to_vec();
             }
@@ -585,9 +595,15 @@ struct HfConfig {
 
 pub fn hf_config(path: &Path) -> Result<Config> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read model config {}", path.display()))?;
-    let hf: HfConfig = serde_json::from_str(&text).with_context(|| format!("{} is not a valid model config", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    hf_config_from(json, path, false)
+}
+
+/// A model config from its JSON; `any_architecture` accepts EAGLE heads' own architecture names.
+pub fn hf_config_from(json: serde_json::Value, path: &Path, any_architecture: bool) -> Result<Config> {
+    let hf: HfConfig = serde_json::from_value(json).with_context(|| format!("{} is not a valid model config", path.display()))?;
     let arch = hf.architectures.as_ref().and_then(|a| a.first()).cloned().unwrap_or_default();
-    if !matches!(arch.as_str(), "LlamaForCausalLM" | "Qwen2ForCausalLM" | "MistralForCausalLM") {
+    if !any_architecture && !matches!(arch.as_str(), "LlamaForCausalLM" | "Qwen2ForCausalLM" | "MistralForCausalLM") {
         bail!("{}: architecture '{arch}' is not supported (frspec reads LlamaForCausalLM and Qwen2ForCausalLM)", path.display());
     }
     let rope_scaling = match &hf.rope_scaling {

@@ -289,3 +289,38 @@ fn generate_tiny(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     }
     out
 }
+
+#[test]
+fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft_vocabulary() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape { layers: 4, ..Shape::tiny() };
+    synthetic::write_model(dir.path(), &shape, 9, candle_core::DType::F32).unwrap();
+    let target = Model::load(dir.path()).unwrap();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures/eagle3-tiny");
+    let mut draft = frspec::draft::Eagle3Draft::load(&fixture, &target).unwrap();
+    assert_eq!(draft.target_layers(), [2, 2, 1]);
+    let draft_ids: Vec<u32> = (0..100).map(|d| DraftHead::new(draft.lm_head(), None, HeadMode::Slice).unwrap().id(d)).collect();
+    assert_eq!(&draft_ids[..4], [0, 5, 6, 7], "d2t offsets map draft ids to target ids");
+    let ranking = Frequencies::from_counts(&(0..260u64).map(|i| (i * 53) % 97).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
+    for prompt in [&[256u32, 72, 105, 33, 257][..], &[9, 8, 7, 6]] {
+        let want = generate_tiny(&target, prompt, 20);
+        for ratio in [0.0, 0.5, 0.8] {
+            let keep = (ratio > 0.0).then(|| ranking.keep_set(KeepRule::Ratio(ratio), 260, &[]).unwrap());
+            let mut records = Vec::new();
+            for mode in [HeadMode::Slice, HeadMode::Mask] {
+                let head = DraftHead::new(draft.lm_head(), keep.clone(), mode).unwrap();
+                assert!(head.kept() <= 100);
+                for sampling in [Sampling::GREEDY, Sampling::new(1.0, 1.0).unwrap()] {
+                    let cfg = SpecConfig { k: 3, mode: DraftMode::Sample, sampling, max_new_tokens: 20 };
+                    let mut rng = ChaCha20Rng::seed_from_u64(5);
+                    let (tokens, rec) = speculative_turn(&target, &[], &mut draft, &head, prompt, &cfg, &mut rng).unwrap();
+                    if sampling.is_greedy() {
+                        assert_eq!(tokens, want, "EAGLE-3 ratio {ratio} {mode:?}: output differs from target greedy");
+                    }
+                    records.push((tokens, rec.without_timings()));
+                }
+            }
+            assert_eq!(records[..2], records[2..], "slice and mask heads give identical records (ratio {ratio})");
+        }
+    }
+}
