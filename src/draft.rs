@@ -397,6 +397,20 @@ impl<'a> EagleDraft<'a> {
     }
 }
 
+impl EagleDraft<'_> {
+    /// Teacher-forced draft logits (full head) at every draft position of `ctx`, from an empty cache:
+    /// `[tokens.len() - 1, vocab]`. For numerics checks against other implementations.
+    pub fn teacher_forced_logits(&mut self, ctx: &Context) -> Result<Vec<f32>> {
+        self.reset();
+        let n = ctx.tokens.len();
+        let out = self.step(&ctx.features[..(n - 1) * self.geometry.hidden], &ctx.tokens[1..n])?;
+        let head = self.target.lm_head();
+        let mut logits = vec![0.0; (n - 1) * head.rows];
+        head.matmul(&out, &mut logits, self.cache.matmul_scratch());
+        Ok(logits)
+    }
+}
+
 impl Draft for EagleDraft<'_> {
     fn describe(&self) -> String {
         format!("EAGLE-1 head {}", self.source.display())
@@ -563,6 +577,24 @@ impl<'a> Eagle3Draft<'a> {
         let mut x = g.to_vec();
         self.cache.advance(&self.geometry, std::slice::from_ref(&self.layer), &mut x, Some(&self.attn_input), |_, _| {});
         Ok(x)
+    }
+}
+
+impl Eagle3Draft<'_> {
+    /// Teacher-forced draft logits over the draft vocabulary at every draft position of `ctx`, from an empty
+    /// cache: `[tokens.len() - 1, draft vocab]`. For numerics checks against other implementations.
+    pub fn teacher_forced_logits(&mut self, ctx: &Context) -> Result<Vec<f32>> {
+        self.reset();
+        let (h, n) = (self.geometry.hidden, ctx.tokens.len());
+        let mut g = vec![0.0; (n - 1) * h];
+        self.fc.forward(&ctx.layer_features[..(n - 1) * 3 * h], &mut g, self.cache.matmul_scratch());
+        let pre = self.step(&g, &ctx.tokens[1..n])?;
+        let mut normed = vec![0.0; pre.len()];
+        crate::model::rms_norm(&pre, &self.norm, self.geometry.rms_eps, &mut normed);
+        let head = &self.lm_head.matrix;
+        let mut logits = vec![0.0; (n - 1) * head.rows];
+        head.matmul(&normed, &mut logits, self.cache.matmul_scratch());
+        Ok(logits)
     }
 }
 

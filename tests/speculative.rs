@@ -324,3 +324,37 @@ fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft
         }
     }
 }
+
+/// frspec's target, EAGLE-1 and EAGLE-3 logits against an independent torch implementation
+/// (scripts/eagle_reference.py: HF transformers for the target, cnets1 / vLLM transcriptions for the heads).
+#[test]
+fn target_and_eagle_heads_match_the_torch_reference() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("eagle_reference_logits.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = serde_json::from_value(reference["tokens"].clone()).unwrap();
+    let target = Model::load(&fixtures.join("tiny-llama")).unwrap();
+    let mut eagle3 = frspec::draft::Eagle3Draft::load(&fixtures.join("eagle3-tiny"), &target).unwrap();
+    let rows: Vec<usize> = (0..tokens.len()).collect();
+    let fwd = target.forward(&tokens, &mut target.new_cache(), &rows, &eagle3.target_layers()).unwrap();
+    let mut layer_features = Vec::new();
+    for i in 0..tokens.len() {
+        for l in &fwd.layer_inputs {
+            layer_features.extend_from_slice(&l[i * 64..(i + 1) * 64]);
+        }
+    }
+    let ctx = frspec::draft::Context { tokens: &tokens, features: &fwd.hidden, layer_features: &layer_features };
+    let worst = |ours: &[f32], key: &str| -> f64 {
+        let want: Vec<Vec<f64>> = serde_json::from_value(reference[key].clone()).unwrap();
+        let width = want[0].len();
+        assert_eq!(ours.len(), want.len() * width, "{key}: shape");
+        want.iter().flatten().zip(ours).map(|(w, o)| (w - *o as f64).abs()).fold(0.0, f64::max)
+    };
+    let t = worst(&fwd.logits, "target_logits");
+    assert!(t < 1e-3, "target logits differ from HF transformers by {t}");
+    let mut eagle1 = EagleDraft::load(&fixtures.join("eagle1-tiny"), &target).unwrap();
+    let e1 = worst(&eagle1.teacher_forced_logits(&ctx).unwrap(), "eagle1_logits");
+    assert!(e1 < 1e-3, "EAGLE-1 logits differ from the reference by {e1}");
+    let e3 = worst(&eagle3.teacher_forced_logits(&ctx).unwrap(), "eagle3_logits");
+    assert!(e3 < 1e-3, "EAGLE-3 logits differ from the reference by {e3}");
+}
