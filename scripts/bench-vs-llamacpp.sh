@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Decode and prefill speed of frspec and llama.cpp on the same GGUF, same machine, same thread count, in one run.
 # Needs the venv of scripts/setup-numerics-env.sh. Writes results/bench/decode-vs-llamacpp.{md,json}.
-# Usage: scripts/bench-vs-llamacpp.sh [frspec binary] [runs]
+# Usage: scripts/bench-vs-llamacpp.sh [frspec binary] [runs]  (default: built here with cargo)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-frspec=${1:-${CARGO_TARGET_DIR:-$HOME/.cache/frspec-target}/release/frspec}
+frspec=${1:-$(scripts/frspec-bin.sh)}
 runs=${2:-5}
 py=${FRSPEC_PY:-$HOME/.cache/frspec-py/bin/python}
 out=results/bench

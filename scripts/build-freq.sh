@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Brown-corpus token frequencies for the Llama-3.1 and SmolLM2 tokenizers, written into the asset cache, and
-# their coverage tables into results/freq/. Needs scripts/fetch-assets.sh first. Usage: scripts/build-freq.sh [frspec]
+# their coverage tables into results/freq/. Needs scripts/fetch-assets.sh first.
+# Usage: scripts/build-freq.sh [path to a frspec binary; default: built here with cargo]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-frspec=${1:-${CARGO_TARGET_DIR:-$HOME/.cache/frspec-target}/release/frspec}
+frspec=${1:-$(scripts/frspec-bin.sh)}
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 mkdir -p "$cache/freq" results/freq
 for tok in llama31-tokenizer smollm2; do

@@ -35,6 +35,14 @@ pub fn named(name: &str) -> Option<Result<PathBuf>> {
     })
 }
 
+/// A named asset or an existing local path; None when `spec` is neither (it may be a hub id).
+pub fn local(spec: &str) -> Option<Result<PathBuf>> {
+    named(spec).or_else(|| {
+        let path = std::path::Path::new(spec);
+        path.exists().then(|| Ok(path.to_path_buf()))
+    })
+}
+
 pub fn names() -> impl Iterator<Item = &'static str> {
     NAMED.iter().map(|(n, _, _)| *n)
 }

@@ -7,6 +7,7 @@
 pub mod assets;
 pub mod bench;
 pub mod chat;
+pub mod dataset;
 pub mod decode;
 pub mod draft;
 pub mod generate;

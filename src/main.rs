@@ -156,6 +156,21 @@ enum FreqCommand {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Count the tokens the target itself generates (greedy) on a dataset's first turns: vLLM's "target-dist".
+    FromOutputs {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// A named asset (mt-bench), a JSON-lines file, or a hub dataset (org/name[@rev][:file]).
+        #[arg(long, default_value = "mt-bench")]
+        dataset: String,
+        /// Use the first N questions (default: all).
+        #[arg(long)]
+        num_prompts: Option<usize>,
+        #[arg(long, default_value_t = 256)]
+        max_new_tokens: usize,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Print the coverage of a frequency file: the share of counted tokens kept at each pruning ratio.
     Show {
         file: PathBuf,
@@ -336,6 +351,36 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Freq(FreqCommand::Build { tokenizer, corpus, format, out }) => freq_build(&tokenizer, &corpus, format, &out)?,
+        Command::Freq(FreqCommand::FromOutputs { model, dataset, num_prompts, max_new_tokens, out }) => {
+            let mut questions = frspec::dataset::load(&dataset)?;
+            if let Some(n) = num_prompts {
+                if n == 0 {
+                    bail!("--num-prompts must be at least 1");
+                }
+                questions.truncate(n);
+            }
+            let target = model.load()?;
+            let vocab = target.model.config.vocab;
+            let mut counts = vec![0u64; vocab];
+            let bar = indicatif::ProgressBar::new(questions.len() as u64);
+            let mut rng = ChaCha20Rng::seed_from_u64(0);
+            for q in &questions {
+                let prompt = target.tokenizer.chat_prompt(&[Message::new("user", &q.turns[0])])?;
+                let g = frspec::generate::generate(&target.model, &target.tokenizer, &prompt, max_new_tokens, Sampling::GREEDY, &mut rng)?;
+                g.tokens.iter().for_each(|&t| counts[t as usize] += 1);
+                bar.inc(1);
+            }
+            bar.finish();
+            let mut freq = Frequencies::from_counts(&counts, &out);
+            freq.metadata.insert("tokenizer".into(), model.model.clone());
+            freq.metadata.insert("tokenizer_hash".into(), format!("{:016x}", target.tokenizer.vocab_hash()));
+            freq.metadata.insert("vocab".into(), vocab.to_string());
+            freq.metadata.insert("corpus".into(), format!("greedy outputs of {} on {dataset} ({} first turns, ≤ {max_new_tokens} tokens)", model.model, questions.len()));
+            freq.metadata.insert("tokens".into(), counts.iter().sum::<u64>().to_string());
+            freq.metadata.insert("ties".into(), "count descending, then id ascending".into());
+            freq.save(&out)?;
+            eprintln!("{} generated tokens → {}", freq.metadata["tokens"], out.display());
+        }
         Command::Freq(FreqCommand::Show { file, ratios, vocab }) => {
             let f = Frequencies::load(&file)?;
             let vocab = match vocab.or_else(|| f.metadata.get("vocab").and_then(|v| v.parse().ok())) {

@@ -43,12 +43,8 @@ impl Target {
 
 /// The local file or folder holding the model named by `spec`; hub repos are downloaded first.
 pub fn resolve(spec: &str) -> Result<PathBuf> {
-    if let Some(named) = assets::named(spec) {
-        return named;
-    }
-    let local = Path::new(spec);
-    if local.exists() {
-        return Ok(local.to_path_buf());
+    if let Some(found) = assets::local(spec) {
+        return found;
     }
     let Some(repo) = RepoId::parse(spec) else {
         bail!("model {spec}: no such file or folder, and not a hub repo id (org/name[@revision])");

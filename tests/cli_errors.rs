@@ -175,3 +175,26 @@ fn bad_frequency_build_input() {
     assert!(err.contains("/no/such/corpus.txt"), "{err}");
     assert!(!out.exists(), "no partial output");
 }
+
+#[test]
+fn frequencies_from_target_outputs_and_bad_datasets() {
+    let model = synthetic_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("q.jsonl");
+    std::fs::write(&data, "{\"question_id\": 1, \"turns\": [\"Hello\"]}\n{\"question_id\": 2, \"turns\": [\"Hi there\"]}\n").unwrap();
+    let out = dir.path().join("target-dist.safetensors");
+    let (m, d, o) = (model.path().to_str().unwrap(), data.to_str().unwrap(), out.to_str().unwrap());
+    let args = ["freq", "from-outputs", "--model", m, "--dataset", d, "--max-new-tokens", "5", "--out", o];
+    let status = frspec().args(args).output().unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    let f = frspec::vocab::Frequencies::load(&out).unwrap();
+    let counted: u64 = f.counts.as_ref().unwrap().iter().sum();
+    assert!((2..=10).contains(&counted), "2 prompts × ≤ 5 tokens, counted {counted}");
+    assert_eq!(f.metadata["tokens"], counted.to_string());
+
+    std::fs::write(&data, "{\"question_id\": 1, \"turns\": [\"Hello\"]}\n{\"question_id\": 2, \"turns\": 7}\n").unwrap();
+    std::fs::remove_file(&out).unwrap();
+    let err = fails(&args, &[]);
+    assert!(err.contains("q.jsonl line 2"), "{err}");
+    assert!(!out.exists(), "no partial output");
+}
