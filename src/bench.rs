@@ -64,7 +64,7 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         prompt_tokens: prompt.len(),
         new_tokens,
         runs,
-        threads: rayon::current_num_threads(),
+        threads: crate::tensor::pool().current_num_threads(),
         decode_tok_s: median(&decode_runs),
         prefill_tok_s: median(&prefill_runs),
         block,

@@ -419,6 +419,10 @@ impl Model {
     /// Forward `tokens` at positions `cache.len()..`, appending their keys and values to the cache.
     /// `logit_rows` are indices into the block; `capture_layers` are layer indices whose inputs to return.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
+        crate::tensor::pool().install(|| self.forward_in_pool(tokens, cache, logit_rows, capture_layers))
+    }
+
+    fn forward_in_pool(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 {
