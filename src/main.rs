@@ -49,11 +49,14 @@ struct SpecArgs {
     #[arg(long)]
     freq: Option<PathBuf>,
     /// Fraction of the vocabulary to prune from the draft head, in [0, 1).
-    #[arg(long, conflicts_with = "keep")]
+    #[arg(long, conflicts_with_all = ["keep", "mass"])]
     ratio: Option<f64>,
     /// Number of most frequent ids the draft head keeps.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "mass")]
     keep: Option<usize>,
+    /// Keep the most frequent ids until they cover this share of the counted tokens, in (0, 1].
+    #[arg(long)]
+    mass: Option<f64>,
     /// Draft tokens per step.
     #[arg(long, default_value_t = 4)]
     k: usize,
@@ -69,10 +72,11 @@ impl SpecArgs {
     }
 
     fn keep_rule(&self) -> Option<KeepRule> {
-        match (self.ratio, self.keep) {
-            (Some(r), _) => Some(KeepRule::Ratio(r)),
-            (None, Some(k)) => Some(KeepRule::Keep(k)),
-            (None, None) => None,
+        match (self.ratio, self.keep, self.mass) {
+            (Some(r), _, _) => Some(KeepRule::Ratio(r)),
+            (_, Some(k), _) => Some(KeepRule::Keep(k)),
+            (_, _, Some(m)) => Some(KeepRule::Mass(m)),
+            _ => None,
         }
     }
 
@@ -80,7 +84,7 @@ impl SpecArgs {
     fn keep_set(&self, target: &Target) -> Result<Option<KeepSet>> {
         let Some(rule) = self.keep_rule() else {
             if self.freq.is_some() {
-                bail!("--freq needs --ratio or --keep");
+                bail!("--freq needs --ratio, --keep or --mass");
             }
             return Ok(None);
         };
@@ -88,7 +92,7 @@ impl SpecArgs {
         if rule == KeepRule::Ratio(0.0) {
             return Ok(None);
         }
-        let freq = self.freq.as_ref().ok_or_else(|| anyhow::anyhow!("--ratio/--keep need --freq"))?;
+        let freq = self.freq.as_ref().ok_or_else(|| anyhow::anyhow!("--ratio/--keep/--mass need --freq"))?;
         let freqs = Frequencies::load(freq)?;
         Ok(Some(freqs.keep_set(rule, target.model.config.vocab, &target.tokenizer.stop_ids)?))
     }

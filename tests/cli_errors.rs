@@ -148,7 +148,7 @@ fn bad_speculative_flags() {
     let err = fails(&with(&["--freq", freq, "--ratio", "1.0"]), &[]);
     assert!(err.contains("pruning ratio must be in [0, 1)"), "{err}");
     let err = fails(&with(&["--ratio", "0.5"]), &[]);
-    assert!(err.contains("--ratio/--keep need --freq"), "{err}");
+    assert!(err.contains("--ratio/--keep/--mass need --freq"), "{err}");
     // The fixture ranks a 16-id vocabulary; SmolLM2 has 49,152.
     let err = fails(&with(&["--freq", freq, "--ratio", "0.5"]), &[]);
     assert!(err.contains("token_freq.npy") && err.contains("ranks only 16 ids"), "{err}");
