@@ -193,7 +193,15 @@ pub trait Draft {
     }
     /// Forget the sequence (a new turn).
     fn reset(&mut self);
-    /// Propose `k` tokens after `ctx.tokens`.
+    /// Process what the draft has not seen of `ctx`; returns the head input (a hidden row) for the first draft.
+    fn catch_up(&mut self, ctx: &Context) -> Result<Vec<f32>>;
+    /// Feed the draft token just chosen; returns the head input for the next one.
+    fn extend(&mut self, token: u32) -> Result<Vec<f32>>;
+    /// Verification kept `accepted` of the proposals of a round that began with `before` tokens.
+    fn rollback(&mut self, before: usize, accepted: usize);
+    fn chooser(&mut self) -> &mut Chooser;
+
+    /// Propose `k` tokens after `ctx.tokens`: catch up, then choose and extend one token at a time.
     #[allow(clippy::too_many_arguments)]
     fn propose(
         &mut self,
@@ -204,9 +212,17 @@ pub trait Draft {
         sampling: Sampling,
         rng: &mut dyn rand::Rng,
         out: &mut Proposal,
-    ) -> Result<()>;
-    /// Verification kept `accepted` of the proposals of a round that began with `before` tokens.
-    fn rollback(&mut self, before: usize, accepted: usize);
+    ) -> Result<()> {
+        out.clear();
+        let mut row = self.catch_up(ctx)?;
+        for step in 0..k {
+            self.chooser().choose(head, &row, mode, sampling, rng, out);
+            if step + 1 < k {
+                row = self.extend(out.tokens[step])?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A draft model sharing the target's tokenizer: an independent model or a truncated copy of the target.
@@ -237,29 +253,18 @@ impl Draft for ModelDraft {
         self.cache.truncate(0);
     }
 
-    fn propose(
-        &mut self,
-        ctx: &Context,
-        k: usize,
-        head: &DraftHead,
-        mode: DraftMode,
-        sampling: Sampling,
-        rng: &mut dyn rand::Rng,
-        out: &mut Proposal,
-    ) -> Result<()> {
-        out.clear();
-        let h = self.model.config.hidden;
-        // Catch up on every token the draft has not seen (the last one included), then extend one at a time.
-        let mut fwd = self.model.forward(&ctx.tokens[self.cache.len()..], &mut self.cache, &[], &[])?;
-        for step in 0..k {
-            let rows = fwd.hidden.len() / h;
-            let last = &fwd.hidden[(rows - 1) * h..];
-            self.chooser.choose(head, last, mode, sampling, rng, out);
-            if step + 1 < k {
-                fwd = self.model.forward(&out.tokens[step..step + 1], &mut self.cache, &[], &[])?;
-            }
-        }
-        Ok(())
+    fn catch_up(&mut self, ctx: &Context) -> Result<Vec<f32>> {
+        // Every token the draft has not seen, the last one (not yet verified) included.
+        let fwd = self.model.forward(&ctx.tokens[self.cache.len()..], &mut self.cache, &[], &[])?;
+        Ok(fwd.hidden[fwd.hidden.len() - self.model.config.hidden..].to_vec())
+    }
+
+    fn extend(&mut self, token: u32) -> Result<Vec<f32>> {
+        Ok(self.model.forward(&[token], &mut self.cache, &[], &[])?.hidden)
+    }
+
+    fn chooser(&mut self) -> &mut Chooser {
+        &mut self.chooser
     }
 
     fn rollback(&mut self, before: usize, accepted: usize) {
@@ -279,6 +284,8 @@ pub struct EagleDraft<'a> {
     chooser: Chooser,
     input: Vec<f32>,
     pair: Vec<f32>,
+    /// The layer's output at the last drafted position: the stand-in feature for the next one.
+    last: Vec<f32>,
     source: PathBuf,
 }
 
@@ -377,6 +384,7 @@ impl<'a> EagleDraft<'a> {
             chooser: Chooser::default(),
             input: Vec::new(),
             pair: Vec::new(),
+            last: Vec::new(),
             source: dir.to_path_buf(),
         })
     }
@@ -424,31 +432,23 @@ impl Draft for EagleDraft<'_> {
         self.cache.truncate(0);
     }
 
-    fn propose(
-        &mut self,
-        ctx: &Context,
-        k: usize,
-        head: &DraftHead,
-        mode: DraftMode,
-        sampling: Sampling,
-        rng: &mut dyn rand::Rng,
-        out: &mut Proposal,
-    ) -> Result<()> {
-        out.clear();
-        let h = self.geometry.hidden;
-        let n = ctx.tokens.len();
+    fn catch_up(&mut self, ctx: &Context) -> Result<Vec<f32>> {
+        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
         // Draft position j pairs (f_j, t_{j+1}); every j < n - 1 has a true target feature.
-        let seen = self.cache.len();
-        let mut g = self.step(&ctx.features[seen * h..(n - 1) * h], &ctx.tokens[seen + 1..n])?;
-        for step in 0..k {
-            let last = g[g.len() - h..].to_vec();
-            self.chooser.choose(head, &last, mode, sampling, rng, out);
-            if step + 1 < k {
-                // No target feature exists yet for the drafted position: EAGLE feeds its own output instead.
-                g = self.step(&last, &out.tokens[step..step + 1])?;
-            }
-        }
-        Ok(())
+        let g = self.step(&ctx.features[seen * h..(n - 1) * h], &ctx.tokens[seen + 1..n])?;
+        self.last = g[g.len() - h..].to_vec();
+        Ok(self.last.clone())
+    }
+
+    fn extend(&mut self, token: u32) -> Result<Vec<f32>> {
+        // No target feature exists yet for the drafted position: EAGLE feeds its own output instead.
+        let last = std::mem::take(&mut self.last);
+        self.last = self.step(&last, &[token])?;
+        Ok(self.last.clone())
+    }
+
+    fn chooser(&mut self) -> &mut Chooser {
+        &mut self.chooser
     }
 
     fn rollback(&mut self, before: usize, _accepted: usize) {
@@ -484,7 +484,8 @@ pub struct Eagle3Draft<'a> {
     chooser: Chooser,
     embeds: Vec<f32>,
     attn_input: Vec<f32>,
-    normed: Vec<f32>,
+    /// The midlayer's pre-norm output at the last drafted position: the next position's input in place of g.
+    last: Vec<f32>,
     source: PathBuf,
 }
 
@@ -555,9 +556,16 @@ impl<'a> Eagle3Draft<'a> {
             chooser: Chooser::default(),
             embeds: Vec::new(),
             attn_input: Vec::new(),
-            normed: Vec::new(),
+            last: Vec::new(),
             source: dir.to_path_buf(),
         })
+    }
+
+    /// The final norm of the last pre-norm output: what the draft LM head reads.
+    fn head_input(&self) -> Vec<f32> {
+        let mut normed = vec![0.0; self.last.len()];
+        crate::model::rms_norm(&self.last, &self.norm, self.geometry.rms_eps, &mut normed);
+        normed
     }
 
     /// Run inputs g (`[n, hidden]`) with the next tokens through the midlayer; returns the pre-norm outputs.
@@ -615,36 +623,23 @@ impl Draft for Eagle3Draft<'_> {
         self.cache.truncate(0);
     }
 
-    fn propose(
-        &mut self,
-        ctx: &Context,
-        k: usize,
-        head: &DraftHead,
-        mode: DraftMode,
-        sampling: Sampling,
-        rng: &mut dyn rand::Rng,
-        out: &mut Proposal,
-    ) -> Result<()> {
-        out.clear();
-        let h = self.geometry.hidden;
-        let n = ctx.tokens.len();
-        let seen = self.cache.len();
-        let aux = &ctx.layer_features[seen * 3 * h..(n - 1) * 3 * h];
+    fn catch_up(&mut self, ctx: &Context) -> Result<Vec<f32>> {
+        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
         let mut g = vec![0.0; (n - 1 - seen) * h];
-        self.fc.forward(aux, &mut g, self.cache.matmul_scratch());
-        let mut pre = self.step(&g, &ctx.tokens[seen + 1..n])?;
-        for step in 0..k {
-            let last = pre[pre.len() - h..].to_vec();
-            self.normed.resize(h, 0.0);
-            crate::model::rms_norm(&last, &self.norm, self.geometry.rms_eps, &mut self.normed);
-            let normed = std::mem::take(&mut self.normed);
-            self.chooser.choose(head, &normed, mode, sampling, rng, out);
-            self.normed = normed;
-            if step + 1 < k {
-                pre = self.step(&last, &out.tokens[step..step + 1])?;
-            }
-        }
-        Ok(())
+        self.fc.forward(&ctx.layer_features[seen * 3 * h..(n - 1) * 3 * h], &mut g, self.cache.matmul_scratch());
+        let pre = self.step(&g, &ctx.tokens[seen + 1..n])?;
+        self.last = pre[pre.len() - h..].to_vec();
+        Ok(self.head_input())
+    }
+
+    fn extend(&mut self, token: u32) -> Result<Vec<f32>> {
+        let last = std::mem::take(&mut self.last);
+        self.last = self.step(&last, &[token])?;
+        Ok(self.head_input())
+    }
+
+    fn chooser(&mut self) -> &mut Chooser {
+        &mut self.chooser
     }
 
     fn rollback(&mut self, before: usize, _accepted: usize) {
