@@ -15,6 +15,7 @@ pub mod hub;
 pub mod model;
 pub mod sampling;
 pub mod score;
+pub mod stats;
 pub mod synthetic;
 pub mod target;
 pub mod tensor;
