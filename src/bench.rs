@@ -172,3 +172,69 @@ pub fn draft_heads(
     }
     Ok(out)
 }
+
+#[derive(Serialize)]
+pub struct FastPathBench {
+    pub ratios: Vec<f64>,
+    pub prompts: usize,
+    pub k: usize,
+    /// Seconds for every ratio run as its own speculative loop.
+    pub independent_secs: f64,
+    /// Seconds for the same matrix through `decode::greedy_turns` (one target pass per prompt).
+    pub fast_path_secs: f64,
+    /// Whether both produced the same acceptance counts.
+    pub counts_agree: bool,
+}
+
+/// A T = 0 sweep over `ratios` on `prompts`, run both ways; `make_draft` builds one draft instance.
+pub fn fast_path<'a>(
+    target: &'a Target,
+    make_draft: &mut dyn FnMut() -> Result<Box<dyn crate::draft::Draft + 'a>>,
+    freqs: &crate::vocab::Frequencies,
+    ratios: &[f64],
+    prompts: &[Vec<u32>],
+    k: usize,
+    max_new_tokens: usize,
+) -> Result<FastPathBench> {
+    use crate::decode::{greedy_turns, speculative_turn, SpecConfig};
+    use crate::draft::{DraftHead, DraftMode, HeadMode};
+    use crate::sampling::Sampling;
+    let vocab = target.model.config.vocab;
+    let stop = &target.tokenizer.stop_ids;
+    let mut drafts = ratios.iter().map(|_| make_draft()).collect::<Result<Vec<_>>>()?;
+    let heads = drafts
+        .iter()
+        .zip(ratios)
+        .map(|(d, &r)| {
+            let keep = if r > 0.0 { Some(freqs.keep_set(crate::vocab::KeepRule::Ratio(r), vocab, stop)?) } else { None };
+            DraftHead::new(d.lm_head(), keep, HeadMode::Slice)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let strip = |r: &crate::decode::TurnRecord| (r.drafts, r.accepted, r.draft_tokens, r.accepted_per_pos.clone());
+    let cfg = SpecConfig { k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens };
+    let mut rng = <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(0);
+    let t = Instant::now();
+    let mut independent = Vec::new();
+    for prompt in prompts {
+        for (d, h) in drafts.iter_mut().zip(&heads) {
+            independent.push(strip(&speculative_turn(&target.model, stop, d.as_mut(), h, prompt, &cfg, &mut rng)?.1));
+        }
+    }
+    let independent_secs = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut fast = Vec::new();
+    for prompt in prompts {
+        let mut pairs: Vec<(&mut dyn crate::draft::Draft, &DraftHead)> =
+            drafts.iter_mut().zip(&heads).map(|(d, h)| (d.as_mut() as &mut dyn crate::draft::Draft, h)).collect();
+        fast.extend(greedy_turns(&target.model, stop, &mut pairs, prompt, k, max_new_tokens)?.1.iter().map(strip));
+    }
+    let fast_path_secs = t.elapsed().as_secs_f64();
+    Ok(FastPathBench {
+        ratios: ratios.to_vec(),
+        prompts: prompts.len(),
+        k,
+        independent_secs,
+        fast_path_secs,
+        counts_agree: independent == fast,
+    })
+}

@@ -7,7 +7,7 @@ use crate::generate::StopReason;
 use crate::model::Model;
 use crate::sampling::{draw, Sampling};
 use anyhow::{bail, Result};
-use rand::RngExt;
+use rand::{RngExt, SeedableRng};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -137,11 +137,13 @@ pub fn speculative_turn(
         let verify = target.forward(&block, &mut cache, &rows, &layers)?;
         features.extend_from_slice(&verify.hidden);
         interleave(&verify.layer_inputs, h, &mut layer_features);
+        // Drafts after a stop token would continue a finished turn: verification ends at the first one.
+        let limit = s.proposal.tokens[..k].iter().position(|&t| stopped(t)).map_or(k, |p| p + 1);
         let mut accepted = 0;
         let mut next = None;
         let mut survive = 1.0f64;
         let mut expected = 0.0f64;
-        for i in 0..k {
+        for i in 0..limit {
             cfg.sampling.distribution(&verify.logits[i * v..(i + 1) * v], &mut s.p, &mut s.order);
             let x = s.proposal.tokens[i];
             let alpha = (s.p[x as usize] as f64 / s.proposal.q_token[i] as f64).min(1.0);
@@ -157,11 +159,13 @@ pub fn speculative_turn(
                 next = Some(recover(&s.p, &s.proposal, i, head, &mut s.residual, rng));
             }
         }
+        let ended_on_draft = next.is_none() && accepted > 0 && stopped(s.proposal.tokens[accepted - 1]);
         let next = match next {
-            Some(t) => t,
+            Some(t) => Some(t),
+            None if ended_on_draft => None,
             None => {
                 cfg.sampling.distribution(&verify.logits[k * v..(k + 1) * v], &mut s.p, &mut s.order);
-                draw(&s.p, rng)
+                Some(draw(&s.p, rng))
             }
         };
         rec.target_secs += t.elapsed().as_secs_f64();
@@ -178,7 +182,7 @@ pub fn speculative_turn(
         features.truncate((n + accepted) * h);
         layer_features.truncate((n + accepted) * h * layers.len());
         draft.rollback(n, accepted);
-        for &t in s.proposal.tokens[..accepted].iter().chain(std::iter::once(&next)) {
+        for &t in s.proposal.tokens[..accepted].iter().chain(next.iter()) {
             tokens.push(t);
             if stopped(t) {
                 rec.stop = Some(StopReason::EndOfTurn);
@@ -232,4 +236,100 @@ fn recover(p: &[f32], proposal: &Proposal, i: usize, head: &DraftHead, residual:
     let inv = (1.0 / total) as f32;
     residual.iter_mut().for_each(|r| *r *= inv);
     draw(residual, rng)
+}
+
+/// Greedy (T = 0) speculative decoding for several drafts at once. Greedy output does not depend on the draft,
+/// so the target's continuation is generated once, and each draft is run along it: a draft token is accepted
+/// while it matches the continuation, and the next token is the continuation's. The target features the drafts
+/// read come from that one pass, bit-identical to what verification blocks compute, so each record equals the
+/// full loop's (tested); only `target_secs`, the shared pass, is the same for every draft.
+pub fn greedy_turns(
+    target: &Model,
+    stop_ids: &[u32],
+    drafts: &mut [(&mut dyn Draft, &DraftHead)],
+    prompt: &[u32],
+    k: usize,
+    max_new_tokens: usize,
+) -> Result<(Vec<u32>, Vec<TurnRecord>)> {
+    if k == 0 {
+        bail!("k (draft tokens per step) must be at least 1");
+    }
+    if prompt.is_empty() {
+        bail!("empty prompt");
+    }
+    let (h, ctx_limit) = (target.config.hidden, target.config.context_length);
+    let layers: Vec<usize> = {
+        let mut all: Vec<usize> = drafts.iter().flat_map(|(d, _)| d.target_layers()).collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    };
+    // The target's greedy continuation with its features, one token at a time.
+    let t0 = Instant::now();
+    let mut cache = target.new_cache();
+    let mut fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], &layers)?;
+    let mut features = fwd.hidden.clone();
+    let mut captured: Vec<Vec<f32>> = fwd.layer_inputs.clone();
+    let mut tokens = prompt.to_vec();
+    let mut stop = None;
+    while stop.is_none() {
+        let next = crate::sampling::argmax(&fwd.logits);
+        tokens.push(next);
+        let generated = tokens.len() - prompt.len();
+        if stop_ids.contains(&next) {
+            stop = Some(StopReason::EndOfTurn);
+        } else if generated == max_new_tokens {
+            stop = Some(StopReason::MaxTokens);
+        } else if cache.len() + 1 >= ctx_limit {
+            stop = Some(StopReason::ContextLimit);
+        } else {
+            fwd = target.forward(&[next], &mut cache, &[0], &layers)?;
+            features.extend_from_slice(&fwd.hidden);
+            captured.iter_mut().zip(&fwd.layer_inputs).for_each(|(c, l)| c.extend_from_slice(l));
+        }
+    }
+    let target_secs = t0.elapsed().as_secs_f64();
+
+    let mut records = Vec::with_capacity(drafts.len());
+    let mut proposal = Proposal::default();
+    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
+    for (draft, head) in drafts.iter_mut() {
+        // This draft's auxiliary features, in the order it asked for them.
+        let own: Vec<Vec<f32>> = draft.target_layers().iter().map(|l| captured[layers.binary_search(l).expect("captured")].clone()).collect();
+        let mut layer_features = Vec::new();
+        interleave(&own, h, &mut layer_features);
+        let width = own.len() * h;
+        let mut rec = TurnRecord { prompt_tokens: prompt.len(), accepted_per_pos: vec![0; k], target_secs, ..TurnRecord::default() };
+        draft.reset();
+        // Replay the full loop's steps along the continuation: n tokens known, the last not yet verified.
+        let mut n = prompt.len() + 1;
+        while n < tokens.len() {
+            let remaining = max_new_tokens - (n - prompt.len());
+            let room = ctx_limit.saturating_sub(n);
+            let k_used = k.min(remaining - 1).min(room.saturating_sub(1));
+            let mut accepted = 0;
+            if k_used > 0 {
+                let ctx = Context {
+                    tokens: &tokens[..n],
+                    features: &features[..(n - 1) * h],
+                    layer_features: &layer_features[..(n - 1) * width],
+                };
+                let t = Instant::now();
+                draft.propose(&ctx, k_used, head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
+                rec.draft_secs += t.elapsed().as_secs_f64();
+                accepted = proposal.tokens.iter().zip(&tokens[n..]).take_while(|(d, t)| d == t).count();
+                rec.drafts += 1;
+                rec.draft_tokens += k_used as u64;
+                rec.accepted += accepted as u64;
+                rec.expected_accepted += accepted as f64;
+                rec.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);
+            }
+            draft.rollback(n, accepted);
+            n += accepted + 1;
+        }
+        rec.generated = tokens.len() - prompt.len();
+        rec.stop = stop;
+        records.push(rec);
+    }
+    Ok((tokens[prompt.len()..].to_vec(), records))
 }

@@ -203,6 +203,28 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// A T = 0 sweep over ratios, run as independent speculative loops and through the greedy fast path.
+    FastPath {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        draft: Option<String>,
+        /// eagle | eagle3 | model | truncated:N.
+        #[arg(long, default_value = "truncated:4")]
+        draft_kind: DraftKind,
+        #[arg(long)]
+        freq: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5,0.75,0.9,0.95,0.99")]
+        ratios: Vec<f64>,
+        #[arg(long, default_value = "mt-bench")]
+        dataset: String,
+        #[arg(long, default_value_t = 5)]
+        num_prompts: usize,
+        #[arg(long, default_value_t = 4)]
+        k: usize,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+    },
     /// Draft LM-head time and draft-step time against the pruning ratio: full vs slice vs mask heads.
     Draft {
         #[command(flatten)]
@@ -353,6 +375,28 @@ fn run(cli: Cli) -> Result<()> {
                     );
                 }
             }
+        }
+        Command::Bench(BenchCommand::FastPath { model, draft, draft_kind, freq, ratios, dataset, num_prompts, k, max_new_tokens }) => {
+            if k == 0 || num_prompts == 0 || max_new_tokens == 0 {
+                bail!("--k, --num-prompts and --max-new-tokens must be at least 1");
+            }
+            for r in &ratios {
+                KeepRule::Ratio(*r).validate()?;
+            }
+            let target = model.load()?;
+            let freqs = Frequencies::load(&freq)?;
+            let questions = frspec::dataset::load(&dataset)?;
+            let prompts = questions
+                .iter()
+                .take(num_prompts)
+                .map(|q| target.tokenizer.chat_prompt(&[Message::new("user", &q.turns[0])]))
+                .collect::<Result<Vec<_>>>()?;
+            let mut make = || frspec::draft::build(&draft_kind, draft.as_deref(), &target, &model.model);
+            let b = frspec::bench::fast_path(&target, &mut make, &freqs, &ratios, &prompts, k, max_new_tokens)?;
+            println!(
+                "{} ratios × {} prompts, k = {k}, T = 0: independent loops {:.1} s, fast path {:.1} s ({:.2}× faster); counts agree: {}",
+                b.ratios.len(), b.prompts, b.independent_secs, b.fast_path_secs, b.independent_secs / b.fast_path_secs, b.counts_agree
+            );
         }
         Command::Freq(FreqCommand::Build { tokenizer, corpus, format, out }) => freq_build(&tokenizer, &corpus, format, &out)?,
         Command::Freq(FreqCommand::FromOutputs { model, dataset, num_prompts, max_new_tokens, out }) => {

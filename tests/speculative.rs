@@ -358,3 +358,44 @@ fn target_and_eagle_heads_match_the_torch_reference() {
     let e3 = worst(&eagle3.teacher_forced_logits(&ctx).unwrap(), "eagle3_logits");
     assert!(e3 < 1e-3, "EAGLE-3 logits differ from the reference by {e3}");
 }
+
+#[test]
+fn greedy_fast_path_gives_the_full_loops_counts_for_every_draft_and_ratio() {
+    let t = smollm2();
+    let eagle_dir = tempfile::tempdir().unwrap();
+    synthetic::write_eagle_head(eagle_dir.path(), &smollm2_shape(), 3).unwrap();
+    let mut eagle = EagleDraft::load(eagle_dir.path(), &t.model).unwrap();
+    let mut truncated = build(&DraftKind::Truncated(12), None, t, "smollm2").unwrap();
+    let ratios = [0.0, 0.5, 0.9];
+    let heads = |d: &dyn Draft| ratios.map(|r| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap());
+    let (eagle_heads, truncated_heads) = (heads(&eagle), heads(truncated.as_ref()));
+    for prompt in mt_bench_prompts(3) {
+        let want_tokens = generate(&t.model, &t.tokenizer, &prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
+        for k in [1, 4] {
+            let mut full = Vec::new();
+            for (draft, hs) in [(&mut eagle as &mut dyn Draft, &eagle_heads), (truncated.as_mut(), &truncated_heads)] {
+                for head in hs.iter() {
+                    let cfg = SpecConfig { k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 48 };
+                    full.push(speculative_turn(&t.model, &t.tokenizer.stop_ids, draft, head, &prompt, &cfg, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().1);
+                }
+            }
+            // Each (draft, head) pair needs its own draft state.
+            let mut all: Vec<(&mut dyn Draft, &DraftHead)> = Vec::new();
+            let mut eagles: Vec<EagleDraft> = ratios.iter().map(|_| EagleDraft::load(eagle_dir.path(), &t.model).unwrap()).collect();
+            let mut truncs: Vec<Box<dyn Draft>> = ratios.iter().map(|_| build(&DraftKind::Truncated(12), None, t, "smollm2").unwrap()).collect();
+            for (d, h) in eagles.iter_mut().zip(&eagle_heads) {
+                all.push((d as &mut dyn Draft, h));
+            }
+            for (d, h) in truncs.iter_mut().zip(&truncated_heads) {
+                all.push((d.as_mut(), h));
+            }
+            let (tokens, fast) = frspec::decode::greedy_turns(&t.model, &t.tokenizer.stop_ids, &mut all, &prompt, k, 48).unwrap();
+            assert_eq!(tokens, want_tokens);
+            for (i, (f, s)) in fast.iter().zip(&full).enumerate() {
+                let strip = |r: &TurnRecord| TurnRecord { target_secs: 0.0, draft_secs: 0.0, ..r.clone() };
+                assert_eq!(strip(f), strip(s), "k {k}, draft/ratio #{i}");
+            }
+            assert!(full.iter().any(|r| r.accepted > 0), "some drafts are accepted, so the comparison is not vacuous");
+        }
+    }
+}
