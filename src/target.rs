@@ -5,7 +5,7 @@ use crate::assets;
 use crate::hub::{Hub, RepoId, RepoKind};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
-use crate::weights::{safetensors_files, Gguf};
+use crate::weights::Gguf;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -68,10 +68,11 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
         for shard in shards {
             hub.file(RepoKind::Model, &repo, shard)?;
         }
-    } else {
-        hub.file(RepoKind::Model, &repo, "model.safetensors")?;
+    } else if hub.optional_file(RepoKind::Model, &repo, "model.safetensors")?.is_none()
+        // EAGLE heads (yuhuili's among them) ship a PyTorch pickle.
+        && hub.optional_file(RepoKind::Model, &repo, "pytorch_model.bin")?.is_none()
+    {
+        bail!("model repo {spec} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin");
     }
-    let dir = config.parent().expect("a cached file lives in a snapshot folder").to_path_buf();
-    safetensors_files(&dir)?;
-    Ok(dir)
+    Ok(config.parent().expect("a cached file lives in a snapshot folder").to_path_buf())
 }

@@ -81,6 +81,8 @@ fn model_and_dataset_download_then_load_offline() {
     let model_dir = tempfile::tempdir().unwrap();
     frspec::synthetic::write_model(model_dir.path(), &frspec::synthetic::Shape::tiny(), 5, candle_core::DType::F16).unwrap();
     let mut files = repo_files("/tiny-org/tiny-llama", model_dir.path());
+    let eagle = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures/eagle1-tiny");
+    files.extend(repo_files("/tiny-org/tiny-eagle", &eagle));
     let questions = std::fs::read(asset("mt-bench")).unwrap();
     files.insert("/datasets/philschmid/mt-bench/resolve/main/question.jsonl".into(), questions.clone());
     let hub = FakeHub::start(files);
@@ -111,6 +113,18 @@ fn model_and_dataset_download_then_load_offline() {
     assert_eq!(online, offline, "the cached model scores the same");
     assert_eq!(hub.requests.load(Ordering::SeqCst), before, "offline mode made requests");
     assert!(home.path().join("hub/models--tiny-org--tiny-llama/snapshots").is_dir());
+
+    // An EAGLE head that ships pytorch_model.bin, as yuhuili's do, drafting for the tiny target.
+    let out = frspec()
+        .args(["generate", "--model", "tiny-org/tiny-llama", "--draft", "tiny-org/tiny-eagle", "--prompt", "Hi", "--max-new-tokens", "8"])
+        .env("HF_ENDPOINT", &hub.endpoint)
+        .env("HF_HOME", home.path())
+        .env_remove("HF_HUB_OFFLINE")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && stderr.contains("EAGLE-1 head") && stderr.contains("mean acceptance length"), "{stderr}");
 
     // Through the library: a dataset file, and a file the repo does not have.
     let hub_client = Hub::new(&hub.endpoint, home.path().join("hub"), false, None).unwrap();
