@@ -198,3 +198,13 @@ fn frequencies_from_target_outputs_and_bad_datasets() {
     assert!(err.contains("q.jsonl line 2"), "{err}");
     assert!(!out.exists(), "no partial output");
 }
+
+#[test]
+fn missing_text_file_and_frequency_file() {
+    let model = synthetic_dir();
+    let m = model.path().to_str().unwrap();
+    let err = fails(&["score", "--model", m, "--text-file", "/no/such/text.txt"], &[]);
+    assert!(err.contains("/no/such/text.txt"), "{err}");
+    let err = fails(&["freq", "show", "/no/such/freq.safetensors"], &[]);
+    assert!(err.contains("/no/such/freq.safetensors") && err.contains("does not exist"), "{err}");
+}

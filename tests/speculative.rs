@@ -399,3 +399,27 @@ fn greedy_fast_path_gives_the_full_loops_counts_for_every_draft_and_ratio() {
         }
     }
 }
+
+#[test]
+fn bad_eagle3_checkpoints_are_refused() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures/eagle3-tiny");
+    // Two target layers cannot provide inputs of layers 2, 1 and −1.
+    let dir = tempfile::tempdir().unwrap();
+    synthetic::write_model(dir.path(), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
+    let shallow = Model::load(dir.path()).unwrap();
+    let err = frspec::draft::Eagle3Draft::load(&fixture, &shallow).err().unwrap().to_string();
+    assert!(err.contains("auxiliary layers") && err.contains("config.json"), "{err}");
+    // A draft vocabulary that maps outside the target's.
+    let small = tempfile::tempdir().unwrap();
+    synthetic::write_model(small.path(), &Shape { layers: 4, vocab: 260, ..Shape::tiny() }, 1, candle_core::DType::F32).unwrap();
+    let head = tempfile::tempdir().unwrap();
+    for f in ["config.json", "pytorch_model.bin"] {
+        std::fs::copy(fixture.join(f), head.path().join(f)).unwrap();
+    }
+    let config = head.path().join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap().replace("\"vocab_size\": 260", "\"vocab_size\": 200");
+    std::fs::write(&config, text).unwrap();
+    let target = Model::load(small.path()).unwrap();
+    let err = frspec::draft::Eagle3Draft::load(head.path(), &target).err().unwrap().to_string();
+    assert!(err.contains("EAGLE-3 vocabulary 200 ≠ the target's 260"), "{err}");
+}
