@@ -27,6 +27,7 @@ pub struct TurnRecord {
     pub generated: usize,
     /// Steps that had drafts.
     pub drafts: u64,
+    /// Draft tokens verified (drafts after an accepted end-of-turn token are discarded unverified).
     pub draft_tokens: u64,
     /// Accepted draft tokens (the recovered or bonus token is not counted).
     pub accepted: u64,
@@ -171,7 +172,8 @@ pub fn speculative_turn(
         rec.target_secs += t.elapsed().as_secs_f64();
         if k > 0 {
             rec.drafts += 1;
-            rec.draft_tokens += k as u64;
+            // Drafts after an accepted end-of-turn token are discarded unverified, and not counted.
+            rec.draft_tokens += limit as u64;
             rec.accepted += accepted as u64;
             rec.expected_accepted += expected;
             rec.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);
@@ -318,8 +320,10 @@ pub fn greedy_turns(
                 draft.propose(&ctx, k_used, head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
                 rec.draft_secs += t.elapsed().as_secs_f64();
                 accepted = proposal.tokens.iter().zip(&tokens[n..]).take_while(|(d, t)| d == t).count();
+                // As in the full loop, verification ends at the first stop token among the drafts.
+                let limit = proposal.tokens.iter().position(|t| stop_ids.contains(t)).map_or(k_used, |p| p + 1);
                 rec.drafts += 1;
-                rec.draft_tokens += k_used as u64;
+                rec.draft_tokens += limit as u64;
                 rec.accepted += accepted as u64;
                 rec.expected_accepted += accepted as f64;
                 rec.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);

@@ -423,3 +423,20 @@ fn bad_eagle3_checkpoints_are_refused() {
     let err = frspec::draft::Eagle3Draft::load(head.path(), &target).err().unwrap().to_string();
     assert!(err.contains("EAGLE-3 vocabulary 200 ≠ the target's 260"), "{err}");
 }
+
+#[test]
+fn a_draft_identical_to_the_target_is_always_accepted() {
+    let (dir, target, _) = tiny_pair();
+    let twin = Model::load(&dir.path().join("target")).unwrap();
+    let mut draft = ModelDraft::new(twin, "the target itself".into());
+    let head = DraftHead::new(draft.lm_head(), None, HeadMode::Slice).unwrap();
+    // Greedy, and sampling with q = p (every α = 1), over many seeds; stop on token 7 to exercise turn ends.
+    for (mode, sampling) in [(DraftMode::Argmax, Sampling::GREEDY), (DraftMode::Sample, Sampling::new(1.0, 1.0).unwrap())] {
+        for seed in 0..50 {
+            let cfg = SpecConfig { k: 4, mode, sampling, max_new_tokens: 30 };
+            let (_, r) = speculative_turn(&target, &[7], &mut draft, &head, &[3, 17, 5], &cfg, &mut ChaCha20Rng::seed_from_u64(seed)).unwrap();
+            assert_eq!(r.accepted, r.draft_tokens, "{mode:?} seed {seed}: {r:?}");
+            assert!((r.expected_accepted - r.accepted as f64).abs() < 1e-9, "α = 1 everywhere: {r:?}");
+        }
+    }
+}
