@@ -33,6 +33,9 @@ pub fn generate(
     sampling: Sampling,
     rng: &mut impl rand::Rng,
 ) -> Result<Generation> {
+    if prompt.is_empty() {
+        anyhow::bail!("empty prompt");
+    }
     let mut cache = model.new_cache();
     let started = Instant::now();
     let mut logits = model.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?.logits;
