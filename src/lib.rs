@@ -16,6 +16,7 @@ pub mod model;
 pub mod sampling;
 pub mod score;
 pub mod stats;
+pub mod sweep;
 pub mod synthetic;
 pub mod target;
 pub mod tensor;
