@@ -6,6 +6,7 @@ use crate::draft::{Context, Draft, DraftHead, DraftMode, Proposal};
 use crate::generate::StopReason;
 use crate::model::Model;
 use crate::sampling::{draw, Sampling};
+use crate::stats::Metric;
 use anyhow::{bail, Result};
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
@@ -44,18 +45,39 @@ pub struct TurnRecord {
 impl TurnRecord {
     /// vLLM's mean acceptance length: 1 + accepted / drafts (1.0 without drafts).
     pub fn mean_acceptance_length(&self) -> f64 {
-        1.0 + self.accepted as f64 / self.drafts.max(1) as f64
+        Metric::MeanAcceptanceLength.of(&self.into())
     }
 
     /// vLLM's acceptance rate in %: 100 · accepted / draft tokens.
     pub fn acceptance_rate(&self) -> f64 {
-        100.0 * self.accepted as f64 / self.draft_tokens.max(1) as f64
+        Metric::AcceptanceRate.of(&self.into())
+    }
+
+    /// Count one drafting step: `verified` drafts checked, the first `accepted` of them kept.
+    fn count_step(&mut self, verified: usize, accepted: usize, expected_accepted: f64) {
+        self.drafts += 1;
+        self.draft_tokens += verified as u64;
+        self.accepted += accepted as u64;
+        self.expected_accepted += expected_accepted;
+        self.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);
     }
 
     /// Timings vary from run to run; everything else must not.
     pub fn without_timings(&self) -> TurnRecord {
         TurnRecord { draft_secs: 0.0, target_secs: 0.0, ..self.clone() }
     }
+}
+
+/// Drafts a step may propose: at most k, leaving room for the recovered or bonus token within the remaining
+/// new tokens and the context (`room` positions left after the pending token).
+fn drafts_allowed(k: usize, remaining: usize, room: usize) -> usize {
+    k.min(remaining - 1).min(room.saturating_sub(1))
+}
+
+/// How many drafts verification looks at: drafts after a stop token would continue a finished turn, so it ends at
+/// the first one (inclusive). Drafts beyond are discarded unverified and not counted.
+fn verification_limit(drafts: &[u32], stop_ids: &[u32]) -> usize {
+    drafts.iter().position(|t| stop_ids.contains(t)).map_or(drafts.len(), |p| p + 1)
 }
 
 /// Buffers the loop reuses between steps and turns.
@@ -121,7 +143,7 @@ pub fn speculative_turn(
             rec.stop = Some(StopReason::ContextLimit);
             break;
         }
-        let k = cfg.k.min(remaining - 1).min(room - 1);
+        let k = drafts_allowed(cfg.k, remaining, room);
         let n = tokens.len();
         let last = tokens[n - 1];
         let mut block = vec![last];
@@ -138,8 +160,7 @@ pub fn speculative_turn(
         let verify = target.forward(&block, &mut cache, &rows, &layers)?;
         features.extend_from_slice(&verify.hidden);
         interleave(&verify.layer_inputs, h, &mut layer_features);
-        // Drafts after a stop token would continue a finished turn: verification ends at the first one.
-        let limit = s.proposal.tokens[..k].iter().position(|&t| stopped(t)).map_or(k, |p| p + 1);
+        let limit = verification_limit(&s.proposal.tokens[..k], stop_ids);
         let mut accepted = 0;
         let mut next = None;
         let mut survive = 1.0f64;
@@ -171,12 +192,7 @@ pub fn speculative_turn(
         };
         rec.target_secs += t.elapsed().as_secs_f64();
         if k > 0 {
-            rec.drafts += 1;
-            // Drafts after an accepted end-of-turn token are discarded unverified, and not counted.
-            rec.draft_tokens += limit as u64;
-            rec.accepted += accepted as u64;
-            rec.expected_accepted += expected;
-            rec.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);
+            rec.count_step(limit, accepted, expected);
         }
 
         // Keep the target's positions up to the last accepted draft; the new token is fed next step.
@@ -190,9 +206,6 @@ pub fn speculative_turn(
                 rec.stop = Some(StopReason::EndOfTurn);
                 break;
             }
-        }
-        if k == 0 {
-            s.proposal.tokens.clear();
         }
     }
     let generated = tokens[prompt.len()..].to_vec();
@@ -307,8 +320,7 @@ pub fn greedy_turns(
         let mut n = prompt.len() + 1;
         while n < tokens.len() {
             let remaining = max_new_tokens - (n - prompt.len());
-            let room = ctx_limit.saturating_sub(n);
-            let k_used = k.min(remaining - 1).min(room.saturating_sub(1));
+            let k_used = drafts_allowed(k, remaining, ctx_limit.saturating_sub(n));
             let mut accepted = 0;
             if k_used > 0 {
                 let ctx = Context {
@@ -320,13 +332,8 @@ pub fn greedy_turns(
                 draft.propose(&ctx, k_used, head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
                 rec.draft_secs += t.elapsed().as_secs_f64();
                 accepted = proposal.tokens.iter().zip(&tokens[n..]).take_while(|(d, t)| d == t).count();
-                // As in the full loop, verification ends at the first stop token among the drafts.
-                let limit = proposal.tokens.iter().position(|t| stop_ids.contains(t)).map_or(k_used, |p| p + 1);
-                rec.drafts += 1;
-                rec.draft_tokens += limit as u64;
-                rec.accepted += accepted as u64;
-                rec.expected_accepted += accepted as f64;
-                rec.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);
+                // At T = 0 every α is 0 or 1, so the expected accepted count is the accepted count.
+                rec.count_step(verification_limit(&proposal.tokens, stop_ids), accepted, accepted as f64);
             }
             draft.rollback(n, accepted);
             n += accepted + 1;
