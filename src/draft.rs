@@ -389,6 +389,13 @@ impl<'a> EagleDraft<'a> {
         })
     }
 
+    /// The layer outputs of every draft position the cache has not seen. Draft position j pairs (f_j, t_{j+1});
+    /// every j < n − 1 has a true target feature.
+    fn unseen_positions(&mut self, ctx: &Context) -> Result<Vec<f32>> {
+        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
+        self.step(&ctx.features[seen * h..(n - 1) * h], &ctx.tokens[seen + 1..n])
+    }
+
     /// Run pairs (feature row, next token) through fc and the layer; returns the layer outputs `[n, hidden]`.
     fn step(&mut self, features: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
         let h = self.geometry.hidden;
@@ -410,8 +417,8 @@ impl EagleDraft<'_> {
     /// `[tokens.len() - 1, vocab]`. For numerics checks against other implementations.
     pub fn teacher_forced_logits(&mut self, ctx: &Context) -> Result<Vec<f32>> {
         self.reset();
+        let out = self.unseen_positions(ctx)?;
         let n = ctx.tokens.len();
-        let out = self.step(&ctx.features[..(n - 1) * self.geometry.hidden], &ctx.tokens[1..n])?;
         let head = self.target.lm_head();
         let mut logits = vec![0.0; (n - 1) * head.rows];
         head.matmul(&out, &mut logits, self.cache.matmul_scratch());
@@ -433,10 +440,8 @@ impl Draft for EagleDraft<'_> {
     }
 
     fn catch_up(&mut self, ctx: &Context) -> Result<Vec<f32>> {
-        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
-        // Draft position j pairs (f_j, t_{j+1}); every j < n - 1 has a true target feature.
-        let g = self.step(&ctx.features[seen * h..(n - 1) * h], &ctx.tokens[seen + 1..n])?;
-        self.last = g[g.len() - h..].to_vec();
+        let g = self.unseen_positions(ctx)?;
+        self.last = g[g.len() - self.geometry.hidden..].to_vec();
         Ok(self.last.clone())
     }
 
@@ -561,6 +566,14 @@ impl<'a> Eagle3Draft<'a> {
         })
     }
 
+    /// The pre-norm outputs of every draft position the cache has not seen, each fed g = fc(its target layers).
+    fn unseen_positions(&mut self, ctx: &Context) -> Result<Vec<f32>> {
+        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
+        let mut g = vec![0.0; (n - 1 - seen) * h];
+        self.fc.forward(&ctx.layer_features[seen * 3 * h..(n - 1) * 3 * h], &mut g, self.cache.matmul_scratch());
+        self.step(&g, &ctx.tokens[seen + 1..n])
+    }
+
     /// The final norm of the last pre-norm output: what the draft LM head reads.
     fn head_input(&self) -> Vec<f32> {
         let mut normed = vec![0.0; self.last.len()];
@@ -593,10 +606,8 @@ impl Eagle3Draft<'_> {
     /// cache: `[tokens.len() - 1, draft vocab]`. For numerics checks against other implementations.
     pub fn teacher_forced_logits(&mut self, ctx: &Context) -> Result<Vec<f32>> {
         self.reset();
-        let (h, n) = (self.geometry.hidden, ctx.tokens.len());
-        let mut g = vec![0.0; (n - 1) * h];
-        self.fc.forward(&ctx.layer_features[..(n - 1) * 3 * h], &mut g, self.cache.matmul_scratch());
-        let pre = self.step(&g, &ctx.tokens[1..n])?;
+        let n = ctx.tokens.len();
+        let pre = self.unseen_positions(ctx)?;
         let mut normed = vec![0.0; pre.len()];
         crate::model::rms_norm(&pre, &self.norm, self.geometry.rms_eps, &mut normed);
         let head = &self.lm_head.matrix;
@@ -624,11 +635,8 @@ impl Draft for Eagle3Draft<'_> {
     }
 
     fn catch_up(&mut self, ctx: &Context) -> Result<Vec<f32>> {
-        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
-        let mut g = vec![0.0; (n - 1 - seen) * h];
-        self.fc.forward(&ctx.layer_features[seen * 3 * h..(n - 1) * 3 * h], &mut g, self.cache.matmul_scratch());
-        let pre = self.step(&g, &ctx.tokens[seen + 1..n])?;
-        self.last = pre[pre.len() - h..].to_vec();
+        let pre = self.unseen_positions(ctx)?;
+        self.last = pre[pre.len() - self.geometry.hidden..].to_vec();
         Ok(self.head_input())
     }
 
