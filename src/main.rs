@@ -419,13 +419,8 @@ fn run(cli: Cli) -> Result<()> {
                 bar.inc(1);
             }
             bar.finish();
-            let mut freq = Frequencies::from_counts(&counts, &out);
-            freq.metadata.insert("tokenizer".into(), model.model.clone());
-            freq.metadata.insert("tokenizer_hash".into(), format!("{:016x}", target.tokenizer.vocab_hash()));
-            freq.metadata.insert("vocab".into(), vocab.to_string());
-            freq.metadata.insert("corpus".into(), format!("greedy outputs of {} on {dataset} ({} first turns, ≤ {max_new_tokens} tokens)", model.model, questions.len()));
-            freq.metadata.insert("tokens".into(), counts.iter().sum::<u64>().to_string());
-            freq.metadata.insert("ties".into(), "count descending, then id ascending".into());
+            let corpus = format!("greedy outputs of {} on {dataset} ({} first turns, ≤ {max_new_tokens} tokens)", model.model, questions.len());
+            let freq = Frequencies::counted(&counts, &model.model, target.tokenizer.vocab_hash(), corpus, &out);
             freq.save(&out)?;
             eprintln!("{} generated tokens → {}", freq.metadata["tokens"], out.display());
         }
@@ -486,15 +481,9 @@ fn freq_build(tokenizer: &str, corpus: &[PathBuf], format: CorpusFormat, out: &s
     if total == 0 {
         bail!("the corpus ({} files) holds no tokens", files.len());
     }
-    let mut freq = Frequencies::from_counts(&counts, out);
-    freq.metadata.insert("tokenizer".into(), tokenizer.to_string());
-    freq.metadata.insert("tokenizer_hash".into(), format!("{:016x}", tok.vocab_hash()));
-    freq.metadata.insert("vocab".into(), tok.vocab_size.to_string());
-    freq.metadata.insert("corpus".into(), corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(" "));
+    let names = corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(" ");
+    let mut freq = Frequencies::counted(&counts, tokenizer, tok.vocab_hash(), names, out);
     freq.metadata.insert("corpus_files".into(), files.len().to_string());
-    freq.metadata.insert("tokens".into(), total.to_string());
-    freq.metadata.insert("distinct_ids".into(), counts.iter().filter(|&&c| c > 0).count().to_string());
-    freq.metadata.insert("ties".into(), "count descending, then id ascending".into());
     freq.save(out)?;
     eprintln!("{} tokens, {} distinct ids → {}", total, freq.metadata["distinct_ids"], out.display());
     Ok(())

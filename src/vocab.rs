@@ -95,6 +95,21 @@ impl Frequencies {
         Frequencies { ranking, counts: Some(ranked_counts), metadata: HashMap::new(), source: source.to_path_buf() }
     }
 
+    /// Counts of a tokenizer's tokens (index = id) with their provenance in the metadata, as `freq build` and
+    /// `freq from-outputs` write them.
+    pub fn counted(counts: &[u64], tokenizer: &str, tokenizer_hash: u64, corpus: String, path: &Path) -> Frequencies {
+        let mut f = Frequencies::from_counts(counts, path);
+        let m = &mut f.metadata;
+        m.insert("tokenizer".into(), tokenizer.into());
+        m.insert("tokenizer_hash".into(), format!("{tokenizer_hash:016x}"));
+        m.insert("vocab".into(), counts.len().to_string());
+        m.insert("corpus".into(), corpus);
+        m.insert("tokens".into(), counts.iter().sum::<u64>().to_string());
+        m.insert("distinct_ids".into(), counts.iter().filter(|&&c| c > 0).count().to_string());
+        m.insert("ties".into(), "count descending, then id ascending".into());
+        f
+    }
+
     /// The ids to keep for a target vocabulary of `vocab` ids; `always` (end-of-sequence and end-of-turn ids)
     /// are added whatever their rank.
     pub fn keep_set(&self, rule: KeepRule, vocab: usize, always: &[u32]) -> Result<KeepSet> {
