@@ -12,26 +12,29 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("frspec")
 }
 
-/// A named asset: (name, path inside the cache, what it is).
-const NAMED: &[(&str, &str, &str)] = &[
-    ("smollm2", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct GGUF (the default target)"),
-    ("mt-bench", "mt_bench/question.jsonl", "MT-Bench questions"),
-    ("llama31-tokenizer", "llama31-tokenizer", "Llama-3.1 tokenizer"),
-    ("brown", "brown", "Brown corpus"),
+/// A named asset: (name, path inside the cache, what it is, the command that makes it).
+const NAMED: &[(&str, &str, &str, &str)] = &[
+    ("smollm2", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct GGUF (the default target)", "scripts/fetch-assets.sh smollm2"),
+    ("mt-bench", "mt_bench/question.jsonl", "MT-Bench questions", "scripts/fetch-assets.sh mtbench"),
+    ("llama31-tokenizer", "llama31-tokenizer", "Llama-3.1 tokenizer", "scripts/fetch-assets.sh llama31-tokenizer"),
+    ("brown", "brown", "Brown corpus", "scripts/fetch-assets.sh brown"),
+    ("brown-smollm2", "freq/brown-smollm2.safetensors", "Brown-corpus token frequencies for SmolLM2", "scripts/build-freq.sh"),
+    (
+        "brown-llama31-tokenizer",
+        "freq/brown-llama31-tokenizer.safetensors",
+        "Brown-corpus token frequencies for Llama-3.1",
+        "scripts/build-freq.sh",
+    ),
 ];
 
 /// The path of a named asset, or None when `name` is not one.
 pub fn named(name: &str) -> Option<Result<PathBuf>> {
-    let &(_, rel, what) = NAMED.iter().find(|(n, _, _)| *n == name)?;
+    let &(_, rel, what, make) = NAMED.iter().find(|(n, ..)| *n == name)?;
     let path = cache_dir().join(rel);
     Some(if path.exists() {
         Ok(path)
     } else {
-        let fetch = name.replace("mt-bench", "mtbench");
-        Err(anyhow::anyhow!(
-            "{what} is not at {} yet: run scripts/fetch-assets.sh {fetch} (or set FRSPEC_CACHE)",
-            path.display()
-        ))
+        Err(anyhow::anyhow!("{what} is not at {} yet: run {make} (or set FRSPEC_CACHE)", path.display()))
     })
 }
 
@@ -44,7 +47,7 @@ pub fn local(spec: &str) -> Option<Result<PathBuf>> {
 }
 
 pub fn names() -> impl Iterator<Item = &'static str> {
-    NAMED.iter().map(|(n, _, _)| *n)
+    NAMED.iter().map(|(n, ..)| *n)
 }
 
 /// Resolve a named asset or fail with the list of names.

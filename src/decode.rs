@@ -22,7 +22,7 @@ pub struct SpecConfig {
 }
 
 /// What one turn of speculative decoding did.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct TurnRecord {
     pub prompt_tokens: usize,
     pub generated: usize,

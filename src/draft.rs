@@ -684,6 +684,17 @@ impl std::str::FromStr for DraftKind {
     }
 }
 
+impl std::fmt::Display for DraftKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftKind::Eagle => f.write_str("eagle"),
+            DraftKind::Eagle3 => f.write_str("eagle3"),
+            DraftKind::Model => f.write_str("model"),
+            DraftKind::Truncated(n) => write!(f, "truncated:{n}"),
+        }
+    }
+}
+
 /// Build the draft for `target` (loaded from `target_spec`).
 pub fn build<'a>(
     kind: &DraftKind,

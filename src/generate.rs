@@ -6,7 +6,7 @@ use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use std::time::Instant;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StopReason {
     EndOfTurn,

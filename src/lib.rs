@@ -2,7 +2,8 @@
 //!
 //! Data flows one way: a target model (`model`, loaded by `target` from `weights` through `hub` or `assets`)
 //! and its `tokenizer` / `chat` template turn prompts into tokens; `generate` decodes, `score` teacher-forces,
-//! `bench` times.
+//! `bench` times. A sweep flows spec (presets, sweep files, flags) → sweep (cells, units, resume) → decode →
+//! records → summary (stats) → store (Parquet) and report.
 
 pub mod assets;
 pub mod bench;
@@ -12,10 +13,15 @@ pub mod decode;
 pub mod draft;
 pub mod generate;
 pub mod hub;
+pub mod manifest;
 pub mod model;
+pub mod report;
 pub mod sampling;
 pub mod score;
+pub mod spec;
 pub mod stats;
+pub mod store;
+pub mod summary;
 pub mod sweep;
 pub mod synthetic;
 pub mod target;

@@ -4,6 +4,7 @@ use frspec::chat::Message;
 use frspec::decode::{speculative_turn, SpecConfig};
 use frspec::draft::{DraftHead, DraftKind, DraftMode, HeadMode};
 use frspec::sampling::Sampling;
+use frspec::sweep::FolderMode;
 use frspec::vocab::{CorpusFormat, Frequencies, KeepRule, KeepSet};
 use frspec::target::{Target, DEFAULT_MODEL};
 use rand::SeedableRng;
@@ -11,7 +12,7 @@ use rand_chacha::ChaCha20Rng;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "frspec", version, about = "Measure what FR-Spec vocabulary pruning does to speculative-decoding acceptance")]
+#[command(name = "frspec", version, args_override_self = true, about = "Measure what FR-Spec vocabulary pruning does to speculative-decoding acceptance")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -136,6 +137,30 @@ enum Command {
         /// Also write every position's logits as a float32 .npy of shape [n, vocab].
         #[arg(long)]
         logits_out: Option<PathBuf>,
+    },
+    /// The ratio × temperature × repeat matrix on a prompt set: acceptance with confidence intervals, in Parquet.
+    Sweep {
+        #[command(flatten)]
+        spec: frspec::spec::SweepSpec,
+        /// A sweep file (TOML; keys as the flags, in snake_case). Flags override it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// vLLM's --speculative-config JSON (method, model, num_speculative_tokens, token_ids_by_frequency,
+        /// pruning_ratio). Flags override it.
+        #[arg(long)]
+        speculative_config: Option<String>,
+        /// Output folder.
+        #[arg(long, default_value = "frspec-sweep")]
+        out: PathBuf,
+        /// Continue the sweep already in --out, skipping its finished units.
+        #[arg(long, conflicts_with = "overwrite")]
+        resume: bool,
+        /// Replace a sweep already in --out.
+        #[arg(long)]
+        overwrite: bool,
+        /// Plain progress lines instead of bars.
+        #[arg(long)]
+        quiet: bool,
     },
     /// Speed measurements.
     #[command(subcommand)]
@@ -334,6 +359,47 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 println!("perplexity {:.4} over {} positions", score.perplexity, score.positions.len());
             }
+        }
+        Command::Sweep { spec, config, speculative_config, out, resume, overwrite, quiet } => {
+            let file = config.as_deref().map(frspec::spec::SweepSpec::from_toml_file).transpose()?;
+            let vllm = match &speculative_config {
+                Some(json) => {
+                    let (spec, ignored) = frspec::spec::SweepSpec::from_vllm(json)?;
+                    if !ignored.is_empty() {
+                        eprintln!("note: --speculative-config keys that do not change acceptance are ignored: {}", ignored.join(", "));
+                    }
+                    Some(spec)
+                }
+                None => None,
+            };
+            let settings = frspec::spec::resolve(file.as_ref(), vllm.as_ref(), &spec)?;
+            let mode = match (resume, overwrite) {
+                (true, _) => FolderMode::Resume,
+                (_, true) => FolderMode::Overwrite,
+                _ => FolderMode::Fresh,
+            };
+            let options = frspec::sweep::Options { mode, quiet, command: std::env::args().collect() };
+            let outcome = frspec::sweep::execute(&settings, &out, &options)?;
+            let draft = settings.draft.as_deref().map_or(settings.draft_kind.to_string(), |d| format!("{} ({d})", settings.draft_kind));
+            println!(
+                "{} · draft {draft} · freq {} · {} · k = {} · {} turn(s) · ≤ {} new tokens · {} repeat(s), seed {}",
+                settings.model,
+                settings.freq.as_deref().unwrap_or("-"),
+                settings.dataset,
+                settings.k,
+                settings.turns,
+                settings.max_new_tokens,
+                settings.repeats,
+                settings.seed
+            );
+            println!("95% bootstrap intervals over prompts; t-intervals over repeats are in summary.parquet");
+            print!("{}", frspec::report::table(&outcome.summary, &outcome.timings, false));
+            eprintln!(
+                "{} units run, {} resumed → {}",
+                outcome.units_run,
+                outcome.units_resumed,
+                out.display()
+            );
         }
         Command::Bench(BenchCommand::Decode { model, prompt, new_tokens, runs, block, json }) => {
             if runs == 0 || new_tokens == 0 || block == 0 {

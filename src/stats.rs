@@ -62,6 +62,8 @@ pub enum Metric {
     AcceptanceRate,
     /// 1 + Σ expected accepted / drafts.
     RaoBlackwellLength,
+    /// 100 · Σ expected accepted / draft tokens.
+    RaoBlackwellRate,
     /// Steps accepting at least i + 1 drafts / drafts.
     PerPosition(usize),
 }
@@ -74,6 +76,8 @@ impl Metric {
             Metric::AcceptanceRate if c.draft_tokens == 0 => 0.0,
             Metric::AcceptanceRate => 100.0 * c.accepted as f64 / c.draft_tokens as f64,
             Metric::RaoBlackwellLength => 1.0 + per_draft(c.expected_accepted),
+            Metric::RaoBlackwellRate if c.draft_tokens == 0 => 0.0,
+            Metric::RaoBlackwellRate => 100.0 * c.expected_accepted / c.draft_tokens as f64,
             Metric::PerPosition(i) => per_draft(c.accepted_per_pos.get(i).copied().unwrap_or(0) as f64),
         }
     }

@@ -208,3 +208,59 @@ fn missing_text_file_and_frequency_file() {
     let err = fails(&["freq", "show", "/no/such/freq.safetensors"], &[]);
     assert!(err.contains("/no/such/freq.safetensors") && err.contains("does not exist"), "{err}");
 }
+
+#[test]
+fn bad_sweeps_fail_before_writing_anything() {
+    let model = synthetic_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("q.jsonl");
+    std::fs::write(&data, "{\"question_id\": 81, \"category\": \"math\", \"turns\": [\"Hello\"]}\n").unwrap();
+    let out = dir.path().join("out");
+    let (m, d, o) = (model.path().to_str().unwrap(), data.to_str().unwrap(), out.to_str().unwrap());
+    let base = ["sweep", "--model", m, "--draft-kind", "truncated:1", "--dataset", d, "--ratios", "0", "--out", o, "--quiet"];
+    let sweep_fails = |extra: &[&str]| {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let err = fails(&args, &[]);
+        assert!(!out.exists(), "{extra:?} left {}", out.display());
+        err
+    };
+    let err = sweep_fails(&["--turns", "2"]);
+    assert!(err.contains("question 81 has 1 turn(s); the sweep asks for 2"), "{err}");
+    let err = sweep_fails(&["--ratios", "0,1.5"]);
+    assert!(err.contains("pruning ratio must be in [0, 1), got 1.5"), "{err}");
+    let err = sweep_fails(&["--ratios", "0,0.5"]);
+    assert!(err.contains("--freq"), "pruning without frequencies: {err}");
+    let err = sweep_fails(&["--preset", "gpt5"]);
+    assert!(err.contains("unknown preset `gpt5`"), "{err}");
+    let err = sweep_fails(&["--category", "poetry"]);
+    assert!(err.contains("no question of category poetry (it has: math)"), "{err}");
+    let err = sweep_fails(&["--num-prompts", "2"]);
+    assert!(err.contains("num_prompts is 2, but dataset") && err.contains("has 1 matching"), "{err}");
+    let err = sweep_fails(&["--speculative-config", "{\"method\": \"ngram\"}"]);
+    assert!(err.contains("method `ngram`"), "{err}");
+
+    let file = dir.path().join("sweep.toml");
+    std::fs::write(&file, "ratios = []\n").unwrap();
+    let with_file = ["--config", file.to_str().unwrap()];
+    let args: Vec<&str> = base.iter().filter(|a| !["--ratios", "0"].contains(a)).chain(&with_file).copied().collect();
+    let err = fails(&args, &[]);
+    assert!(err.contains("the sweep matrix is empty"), "{err}");
+    std::fs::write(&file, "ratio = [0.5]\n").unwrap();
+    let err = sweep_fails(&with_file);
+    assert!(err.contains("sweep.toml") && err.contains("unknown field `ratio`"), "{err}");
+
+    std::fs::write(&data, "{\"question_id\": 81, \"turns\": [\"Hello\"]}\n{\"question_id\": 82, \"turns\": [\"Hi\"],\n").unwrap();
+    let err = sweep_fails(&[]);
+    assert!(err.contains("q.jsonl line 2"), "{err}");
+    std::fs::remove_file(&data).unwrap();
+    let err = sweep_fails(&[]);
+    assert!(err.contains("q.jsonl"), "{err}");
+
+    // A folder holding something else is never written into.
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    std::fs::write(&data, "{\"question_id\": 81, \"turns\": [\"Hello\"]}\n").unwrap();
+    let err = fails(&base, &[]);
+    assert!(err.contains("does not hold a frspec sweep"), "{err}");
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1);
+}

@@ -3,7 +3,7 @@
 use frspec::dataset::Question;
 use frspec::decode::TurnRecord;
 use frspec::draft::{build, Draft, DraftHead, DraftKind, DraftMode, HeadMode};
-use frspec::sweep::{run, Plan, Run};
+use frspec::sweep::{run, Engine, Plan, Run, UnitKey};
 use frspec::synthetic::{self, Shape};
 use frspec::target::Target;
 use frspec::vocab::{Frequencies, KeepRule};
@@ -31,8 +31,9 @@ fn sweep(target: &Target, draft_dir: &str, plan: &Plan, qs: &[Question]) -> anyh
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut runs = Vec::new();
-    run(target, &mut drafts, &heads, qs, plan, &mut |r| {
-        runs.push(Run { record: TurnRecord { draft_secs: 0.0, target_secs: 0.0, ..r.record }, ..r });
+    let mut engine = Engine { target, drafts: &mut drafts, heads: &heads };
+    run(&mut engine, qs, plan, &plan.units(qs.len()), &mut |_: UnitKey, unit: Vec<Run>| {
+        runs.extend(unit.into_iter().map(|r| Run { record: TurnRecord { draft_secs: 0.0, target_secs: 0.0, ..r.record }, ..r }));
         Ok(())
     })?;
     Ok(runs)

@@ -1,0 +1,145 @@
+//! A sweep's tables as Parquet (through polars), written atomically: a reader never sees half a file.
+//!
+//! runs.parquet and summary.parquet hold only what the seed determines, so the same sweep writes them byte for
+//! byte again; every clock reading goes to timings.parquet (per run) and timing_summary.parquet (per cell).
+
+use crate::stats::Estimate;
+use crate::summary::{CellSummary, CellTiming};
+use crate::sweep::Run;
+use anyhow::{anyhow, Context, Result};
+use polars::prelude::{Column, DataFrame, NamedFrom, ParquetReader, ParquetWriter, SerReader, Series};
+use std::path::Path;
+
+pub const RUNS: &str = "runs.parquet";
+pub const SUMMARY: &str = "summary.parquet";
+pub const TIMINGS: &str = "timings.parquet";
+pub const TIMING_SUMMARY: &str = "timing_summary.parquet";
+
+/// Write `bytes` to `path` through a temporary file in the same folder and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("partial");
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot move {} into place", path.display()))
+}
+
+fn write_frame(path: &Path, columns: Vec<Column>) -> Result<()> {
+    let height = columns.first().map_or(0, |c| c.len());
+    let mut df = DataFrame::new(height, columns)?;
+    let mut bytes = Vec::new();
+    ParquetWriter::new(&mut bytes).finish(&mut df).with_context(|| format!("cannot encode {}", path.display()))?;
+    write_atomic(path, &bytes)
+}
+
+/// A Parquet file as a DataFrame, or one error naming the file.
+pub fn read(path: &Path) -> Result<DataFrame> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    ParquetReader::new(file).finish().map_err(|e| anyhow!("{} is not a readable Parquet file: {e}", path.display()))
+}
+
+fn col<T, P: ?Sized>(name: &str, values: T) -> Column
+where
+    Series: NamedFrom<T, P>,
+{
+    Column::new(name.into(), values)
+}
+
+/// Rows of `runs` with `kept[i]` the head size of ratio `ratios[i]`, categories by prompt index.
+pub fn write_runs(path: &Path, runs: &[Run], ratios: &[f64], kept: &[u64], categories: &[Option<String>], k: usize) -> Result<()> {
+    let kept_of = |r: &Run| kept[ratios.iter().position(|&x| x == r.ratio).expect("a plan ratio")];
+    let u64s = |f: &dyn Fn(&Run) -> u64| runs.iter().map(f).collect::<Vec<u64>>();
+    let mut columns = vec![
+        col("ratio", runs.iter().map(|r| r.ratio).collect::<Vec<f64>>()),
+        col("kept", u64s(&kept_of)),
+        col("temperature", runs.iter().map(|r| r.temperature).collect::<Vec<f32>>()),
+        col("repeat", runs.iter().map(|r| r.repeat).collect::<Vec<u32>>()),
+        col("prompt_index", runs.iter().map(|r| r.prompt_index).collect::<Vec<u32>>()),
+        col("question_id", runs.iter().map(|r| r.prompt.clone()).collect::<Vec<String>>()),
+        col("category", runs.iter().map(|r| categories[r.prompt_index as usize].clone()).collect::<Vec<Option<String>>>()),
+        col("turn", runs.iter().map(|r| r.turn + 1).collect::<Vec<u32>>()),
+        col("prompt_tokens", u64s(&|r| r.record.prompt_tokens as u64)),
+        col("generated", u64s(&|r| r.record.generated as u64)),
+        col("drafts", u64s(&|r| r.record.drafts)),
+        col("draft_tokens", u64s(&|r| r.record.draft_tokens)),
+        col("accepted", u64s(&|r| r.record.accepted)),
+        col("expected_accepted", runs.iter().map(|r| r.record.expected_accepted).collect::<Vec<f64>>()),
+    ];
+    for i in 0..k {
+        columns.push(col(&format!("accepted_pos{}", i + 1), u64s(&|r| r.record.accepted_per_pos.get(i).copied().unwrap_or(0))));
+    }
+    let stop = |r: &Run| r.record.stop.map(|s| serde_json::to_value(s).expect("an enum").as_str().expect("a name").to_string());
+    columns.push(col("stop", runs.iter().map(stop).collect::<Vec<Option<String>>>()));
+    write_frame(path, columns)
+}
+
+pub fn write_timings(path: &Path, runs: &[Run]) -> Result<()> {
+    write_frame(
+        path,
+        vec![
+            col("ratio", runs.iter().map(|r| r.ratio).collect::<Vec<f64>>()),
+            col("temperature", runs.iter().map(|r| r.temperature).collect::<Vec<f32>>()),
+            col("repeat", runs.iter().map(|r| r.repeat).collect::<Vec<u32>>()),
+            col("prompt_index", runs.iter().map(|r| r.prompt_index).collect::<Vec<u32>>()),
+            col("turn", runs.iter().map(|r| r.turn + 1).collect::<Vec<u32>>()),
+            col("draft_secs", runs.iter().map(|r| r.record.draft_secs).collect::<Vec<f64>>()),
+            col("target_secs", runs.iter().map(|r| r.record.target_secs).collect::<Vec<f64>>()),
+        ],
+    )
+}
+
+/// `{name}`, `{name}_boot_lo/hi` (bootstrap over prompts) and `{name}_t_lo/hi` (t over repeats; null with one).
+fn estimate_columns(columns: &mut Vec<Column>, name: &str, values: &[&Estimate]) {
+    columns.push(col(name, values.iter().map(|e| e.value).collect::<Vec<f64>>()));
+    columns.push(col(&format!("{name}_boot_lo"), values.iter().map(|e| e.bootstrap.lo).collect::<Vec<f64>>()));
+    columns.push(col(&format!("{name}_boot_hi"), values.iter().map(|e| e.bootstrap.hi).collect::<Vec<f64>>()));
+    columns.push(col(&format!("{name}_t_lo"), values.iter().map(|e| e.t.map(|t| t.lo)).collect::<Vec<Option<f64>>>()));
+    columns.push(col(&format!("{name}_t_hi"), values.iter().map(|e| e.t.map(|t| t.hi)).collect::<Vec<Option<f64>>>()));
+}
+
+pub fn write_summary(path: &Path, cells: &[CellSummary]) -> Result<()> {
+    let u64s = |f: &dyn Fn(&CellSummary) -> u64| cells.iter().map(f).collect::<Vec<u64>>();
+    let mut columns = vec![
+        col("ratio", cells.iter().map(|c| c.ratio).collect::<Vec<f64>>()),
+        col("kept", u64s(&|c| c.kept)),
+        col("temperature", cells.iter().map(|c| c.temperature).collect::<Vec<f32>>()),
+        col("prompts", cells.iter().map(|c| c.prompts).collect::<Vec<u32>>()),
+        col("repeats", cells.iter().map(|c| c.repeats).collect::<Vec<u32>>()),
+        col("runs", u64s(&|c| c.runs)),
+        col("generated", u64s(&|c| c.generated)),
+        col("drafts", u64s(&|c| c.counts.drafts)),
+        col("draft_tokens", u64s(&|c| c.counts.draft_tokens)),
+        col("accepted", u64s(&|c| c.counts.accepted)),
+        col("expected_accepted", cells.iter().map(|c| c.counts.expected_accepted).collect::<Vec<f64>>()),
+    ];
+    let estimates = |f: fn(&CellSummary) -> &Estimate| cells.iter().map(f).collect::<Vec<&Estimate>>();
+    estimate_columns(&mut columns, "mean_acceptance_length", &estimates(|c| &c.length));
+    estimate_columns(&mut columns, "acceptance_rate", &estimates(|c| &c.rate));
+    estimate_columns(&mut columns, "rb_mean_acceptance_length", &estimates(|c| &c.rb_length));
+    estimate_columns(&mut columns, "rb_acceptance_rate", &estimates(|c| &c.rb_rate));
+    let positions = cells.first().map_or(0, |c| c.per_position.len());
+    for i in 0..positions {
+        let at: Vec<&Estimate> = cells.iter().map(|c| &c.per_position[i]).collect();
+        estimate_columns(&mut columns, &format!("accepted_pos{}", i + 1), &at);
+    }
+    columns.push(col("baseline_ratio", cells.iter().map(|c| c.baseline_ratio).collect::<Vec<f64>>()));
+    estimate_columns(&mut columns, "mean_acceptance_length_diff", &estimates(|c| &c.length_diff));
+    estimate_columns(&mut columns, "acceptance_rate_diff", &estimates(|c| &c.rate_diff));
+    write_frame(path, columns)
+}
+
+pub fn write_timing_summary(path: &Path, cells: &[CellTiming]) -> Result<()> {
+    let f64s = |f: fn(&CellTiming) -> f64| cells.iter().map(f).collect::<Vec<f64>>();
+    write_frame(
+        path,
+        vec![
+            col("ratio", f64s(|c| c.ratio)),
+            col("kept", cells.iter().map(|c| c.kept).collect::<Vec<u64>>()),
+            col("temperature", cells.iter().map(|c| c.temperature).collect::<Vec<f32>>()),
+            col("generated", cells.iter().map(|c| c.generated).collect::<Vec<u64>>()),
+            col("drafts", cells.iter().map(|c| c.drafts).collect::<Vec<u64>>()),
+            col("draft_secs", f64s(|c| c.draft_secs)),
+            col("target_secs", f64s(|c| c.target_secs)),
+            col("draft_ms_per_step", f64s(|c| c.draft_ms_per_step)),
+            col("tokens_per_sec", cells.iter().map(|c| c.tokens_per_sec).collect::<Vec<Option<f64>>>()),
+        ],
+    )
+}

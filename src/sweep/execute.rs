@@ -1,0 +1,233 @@
+//! A sweep from settings to files: check and load everything first (bad input leaves no folder behind), run the
+//! units the folder lacks, then assemble runs.parquet, summary.parquet, the timing tables and manifest.json from
+//! the journal.
+
+use super::folder::{Folder, FolderMode, Identity};
+use super::progress::Progress;
+use super::{Engine, Observer, Plan, Run, UnitKey};
+use crate::dataset::{self, Question};
+use crate::draft::{self, Draft, DraftHead, DraftKind, HeadMode};
+use crate::manifest::{self, FileDigest, Hardware, Manifest};
+use crate::spec::{Pruning, Settings};
+use crate::store;
+use crate::summary::{self, CellSummary, CellTiming};
+use crate::target::Target;
+use crate::vocab::{Frequencies, KeepRule};
+use anyhow::{anyhow, bail, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub struct Options {
+    pub mode: FolderMode,
+    /// Plain progress lines even on a terminal.
+    pub quiet: bool,
+    /// The command line, for the manifest.
+    pub command: Vec<String>,
+}
+
+pub struct Outcome {
+    pub summary: Vec<CellSummary>,
+    pub timings: Vec<CellTiming>,
+    pub units_run: usize,
+    pub units_resumed: usize,
+}
+
+/// The questions the settings select, in dataset order.
+fn questions(settings: &Settings) -> Result<Vec<Question>> {
+    let mut qs = dataset::load(&settings.dataset)?;
+    if !settings.categories.is_empty() {
+        let present: std::collections::BTreeSet<String> = qs.iter().filter_map(|q| q.category.clone()).collect();
+        qs.retain(|q| q.category.as_ref().is_some_and(|c| settings.categories.contains(c)));
+        if qs.is_empty() {
+            let present: Vec<String> = present.into_iter().collect();
+            bail!("dataset {} has no question of category {} (it has: {})", settings.dataset, settings.categories.join(", "), present.join(", "));
+        }
+    }
+    match settings.num_prompts {
+        Some(0) => bail!("num_prompts must be at least 1"),
+        Some(n) if n > qs.len() => bail!("num_prompts is {n}, but dataset {} has {} matching questions", settings.dataset, qs.len()),
+        Some(n) => qs.truncate(n),
+        None => {}
+    }
+    Ok(qs)
+}
+
+fn plan(settings: &Settings, ratios: Vec<f64>) -> Plan {
+    Plan {
+        ratios,
+        temperatures: settings.temperatures.clone(),
+        top_p: settings.top_p,
+        repeats: settings.repeats,
+        seed: settings.seed,
+        k: settings.k,
+        turns: settings.turns,
+        max_new_tokens: settings.max_new_tokens,
+        mode: settings.draft_mode,
+    }
+}
+
+/// Checks that need no model: everything a typo in a flag or sweep file can break.
+fn check(settings: &Settings, questions: &[Question]) -> Result<()> {
+    if settings.device != "cpu" {
+        bail!("device {}: this build of frspec runs models on the CPU only (use cpu)", settings.device);
+    }
+    if settings.dtype != "f32" {
+        bail!("dtype {}: the CPU path computes activations in f32 (use f32)", settings.dtype);
+    }
+    let labels = match &settings.pruning {
+        Pruning::Ratios(r) => r.clone(),
+        Pruning::Keeps(keeps) => {
+            if keeps.contains(&0) {
+                bail!("keep sizes must be at least 1");
+            }
+            keeps.iter().map(|&k| -(k as f64)).collect()
+        }
+    };
+    if let Some(i) = (1..labels.len()).find(|&i| labels[..i].contains(&labels[i])) {
+        bail!("pruning cell {} appears twice in the sweep", labels[i].abs());
+    }
+    if let Some(i) = (1..settings.temperatures.len()).find(|&i| settings.temperatures[..i].contains(&settings.temperatures[i])) {
+        bail!("temperature {} appears twice in the sweep", settings.temperatures[i]);
+    }
+    let ratios = match &settings.pruning {
+        Pruning::Ratios(r) => r.clone(),
+        Pruning::Keeps(k) => vec![0.0; k.len()],
+    };
+    plan(settings, ratios).validate(questions)
+}
+
+/// Keep rules, the ratio labels they stand for, given the target's vocabulary.
+fn cells(settings: &Settings, vocab: usize) -> (Vec<KeepRule>, Vec<f64>) {
+    match &settings.pruning {
+        Pruning::Ratios(r) => (r.iter().map(|&r| KeepRule::Ratio(r)).collect(), r.clone()),
+        Pruning::Keeps(k) => (k.iter().map(|&k| KeepRule::Keep(k)).collect(), k.iter().map(|&k| 1.0 - k as f64 / vocab as f64).collect()),
+    }
+}
+
+fn local_path(spec: &str, what: &str) -> Result<PathBuf> {
+    crate::assets::local(spec).unwrap_or_else(|| Err(anyhow!("{what} {spec}: no such file")))
+}
+
+fn digest(role: &str, path: &Path, files: &mut BTreeMap<String, FileDigest>) -> Result<()> {
+    files.insert(role.into(), FileDigest { path: path.display().to_string(), sha256: manifest::sha256(path)? });
+    Ok(())
+}
+
+struct Observe<'a> {
+    folder: &'a Folder,
+    progress: Progress,
+    plan: &'a Plan,
+    questions: &'a [Question],
+    started: Instant,
+}
+
+impl Observe<'_> {
+    fn label(&self, key: &UnitKey) -> String {
+        let t = self.plan.temperatures[key.temperature];
+        let q = &self.questions[key.prompt].id;
+        match key.repeat {
+            Some(r) => format!("T={t} question {q} repeat {r}"),
+            None => format!("T={t} question {q}"),
+        }
+    }
+}
+
+impl Observer for Observe<'_> {
+    fn unit_started(&mut self, key: &UnitKey) {
+        self.started = Instant::now();
+        self.progress.unit_started(self.plan.runs_per_unit(key), &self.label(key));
+    }
+
+    fn turn(&mut self, run: &Run) {
+        let copy = run.temperature == 0.0 && (run.repeat > 0 || run.ratio != self.plan.ratios[0]);
+        self.progress.turn(run, !copy);
+    }
+
+    fn unit_finished(&mut self, key: UnitKey, runs: Vec<Run>) -> Result<()> {
+        let secs = self.started.elapsed().as_secs_f64();
+        self.folder.save_unit(key, secs, runs)?;
+        self.progress.unit_finished(&self.label(&key), secs);
+        Ok(())
+    }
+}
+
+pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Outcome> {
+    let wall = Instant::now();
+    let questions = questions(settings)?;
+    check(settings, &questions)?;
+
+    let target = Target::load(&settings.model)?;
+    let vocab = target.model.config.vocab;
+    let (rules, ratios) = cells(settings, vocab);
+    let plan = plan(settings, ratios);
+    let freq_path = settings.freq.as_deref().map(|f| local_path(f, "frequency file")).transpose()?;
+    let freqs = freq_path.as_deref().map(Frequencies::load).transpose()?;
+    let mut keeps = Vec::new();
+    for rule in &rules {
+        keeps.push(match (rule, &freqs) {
+            (KeepRule::Ratio(r), _) if *r == 0.0 => None,
+            (_, None) => bail!("pruning needs token frequencies: set freq (--freq)"),
+            (rule, Some(f)) => Some(f.keep_set(*rule, vocab, &target.tokenizer.stop_ids)?),
+        });
+    }
+    let kept: Vec<u64> = keeps.iter().map(|k| k.as_ref().map_or(vocab, |k| k.ids.len()) as u64).collect();
+    let mut drafts: Vec<Box<dyn Draft + '_>> = Vec::new();
+    let mut heads = Vec::new();
+    for keep in keeps {
+        let d = draft::build(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model)?;
+        heads.push(DraftHead::new(d.lm_head(), keep, HeadMode::Slice)?);
+        drafts.push(d);
+    }
+
+    let mut files = BTreeMap::new();
+    digest("model", &target.source, &mut files)?;
+    if let (Some(spec), false) = (&settings.draft, matches!(settings.draft_kind, DraftKind::Truncated(_))) {
+        digest("draft", &crate::target::resolve(spec)?, &mut files)?;
+    }
+    if let Some(p) = &freq_path {
+        digest("freq", p, &mut files)?;
+    }
+    digest("dataset", &dataset::resolve(&settings.dataset)?, &mut files)?;
+    let settings_json = serde_json::to_value(settings)?;
+    let identity = Identity { settings: settings_json.clone(), files };
+
+    let all_units = plan.units(questions.len());
+    let (folder, done) = Folder::open(out, &identity, options.mode, &all_units)?;
+    let pending: Vec<UnitKey> = all_units.iter().filter(|k| !done.contains_key(k)).copied().collect();
+    let mut observe = Observe { folder: &folder, progress: Progress::new(options.quiet, all_units.len(), done.len()), plan: &plan, questions: &questions, started: Instant::now() };
+    let mut engine = Engine { target: &target, drafts: &mut drafts, heads: &heads };
+    super::run(&mut engine, &questions, &plan, &pending, &mut observe)?;
+    observe.progress.finish();
+
+    let mut runs = folder.runs(&all_units)?;
+    let index = |xs: &[f64], x: f64| xs.iter().position(|&y| y == x).expect("a plan value");
+    let temps: Vec<f64> = plan.temperatures.iter().map(|&t| t as f64).collect();
+    runs.sort_by_key(|r| (index(&plan.ratios, r.ratio), index(&temps, r.temperature as f64), r.repeat, r.prompt_index, r.turn));
+    let categories: Vec<Option<String>> = questions.iter().map(|q| q.category.clone()).collect();
+    store::write_runs(&out.join(store::RUNS), &runs, &plan.ratios, &kept, &categories, plan.k)?;
+    store::write_timings(&out.join(store::TIMINGS), &runs)?;
+    let summary = summary::summarize(&plan, &kept, &runs)?;
+    store::write_summary(&out.join(store::SUMMARY), &summary)?;
+    let timings = summary::timings(&plan, &kept, &runs);
+    store::write_timing_summary(&out.join(store::TIMING_SUMMARY), &timings)?;
+
+    let wall_secs = wall.elapsed().as_secs_f64();
+    let resumed_secs: f64 = done.values().sum();
+    let manifest = Manifest {
+        frspec: Manifest::frspec_version(),
+        git_commit: Manifest::git_commit(),
+        crates: manifest::crate_versions(),
+        command: options.command.clone(),
+        settings: &settings_json,
+        files: &identity.files,
+        hardware: Hardware::here(&settings.device),
+        wall_secs,
+        total_wall_secs: wall_secs + resumed_secs,
+        units_resumed: done.len(),
+        units_total: all_units.len(),
+        finished_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+    };
+    store::write_atomic(&out.join(Manifest::FILE), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
+    Ok(Outcome { summary, timings, units_run: pending.len(), units_resumed: done.len() })
+}

@@ -1,0 +1,155 @@
+//! `frspec sweep` end to end on a tiny synthetic target and draft model: the files, their schema and counts,
+//! byte-identical reruns, kill -9 and --resume, and the folder guard.
+
+mod common;
+use common::frspec;
+use frspec::synthetic::{self, Shape};
+use frspec::vocab::Frequencies;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+struct Fixture {
+    dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new(prompts: usize) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        synthetic::write_model(&dir.path().join("target"), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
+        synthetic::write_model(&dir.path().join("draft"), &Shape::tiny(), 2, candle_core::DType::F32).unwrap();
+        let counts: Vec<u64> = (0..Shape::tiny().vocab as u64).map(|i| (i * 31) % 89).collect();
+        Frequencies::from_counts(&counts, Path::new("synthetic")).save(&dir.path().join("freq.safetensors")).unwrap();
+        let categories = ["writing", "math"];
+        let lines: Vec<String> = (0..prompts)
+            .map(|i| {
+                serde_json::json!({"question_id": 81 + i, "category": categories[i % 2], "turns": [format!("tell me {i}"), format!("more {i}")]})
+                    .to_string()
+            })
+            .collect();
+        std::fs::write(dir.path().join("questions.jsonl"), lines.join("\n")).unwrap();
+        Fixture { dir }
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+
+    /// A sweep command writing into `out`, with extra flags.
+    fn sweep(&self, out: &Path, extra: &[&str]) -> Command {
+        let mut cmd = frspec();
+        cmd.args(["sweep", "--model", &self.path("target"), "--draft", &self.path("draft"), "--draft-kind", "model"]);
+        cmd.args(["--freq", &self.path("freq.safetensors"), "--dataset", &self.path("questions.jsonl")]);
+        cmd.args(["--k", "3", "--draft-mode", "sample", "--seed", "7", "--quiet", "--out", out.to_str().unwrap()]);
+        cmd.args(extra);
+        cmd
+    }
+}
+
+fn ok(mut cmd: Command) -> String {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "sweep failed: {stderr}");
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+fn bytes(dir: &Path, file: &str) -> Vec<u8> {
+    std::fs::read(dir.join(file)).unwrap_or_else(|e| panic!("{}: {e}", dir.join(file).display()))
+}
+
+const SMALL: [&str; 12] =
+    ["--ratios", "0,0.5", "--temperatures", "0,1", "--repeats", "2", "--num-prompts", "3", "--turns", "2", "--max-new-tokens", "8"];
+
+#[test]
+fn writes_the_tables_with_their_schema_and_counts_and_repeats_them_byte_for_byte() {
+    let f = Fixture::new(4);
+    let (a, b) = (f.dir.path().join("a"), f.dir.path().join("b"));
+    let stdout = ok(f.sweep(&a, &SMALL));
+    assert!(stdout.contains("mean acceptance length") && stdout.contains("vanilla"), "{stdout}");
+    ok(f.sweep(&b, &SMALL));
+    for file in ["runs.parquet", "summary.parquet"] {
+        assert!(bytes(&a, file) == bytes(&b, file), "{file} differs between two runs with the same seed");
+    }
+
+    let runs = frspec::store::read(&a.join("runs.parquet")).unwrap();
+    assert_eq!(runs.height(), 2 * 2 * 2 * 3 * 2, "ratios × temperatures × repeats × prompts × turns");
+    let names: Vec<String> = runs.get_column_names().iter().map(|n| n.to_string()).collect();
+    for col in ["ratio", "kept", "temperature", "repeat", "question_id", "category", "turn", "drafts", "draft_tokens", "accepted",
+        "expected_accepted", "accepted_pos1", "accepted_pos3", "stop"] {
+        assert!(names.iter().any(|n| n == col), "runs.parquet lacks {col}: {names:?}");
+    }
+    let summary = frspec::store::read(&a.join("summary.parquet")).unwrap();
+    assert_eq!(summary.height(), 4, "one row per ratio × temperature");
+    // Pooled counts in the summary are the sums of the runs', and the vanilla row's difference is zero.
+    let col_u64 = |df: &polars::prelude::DataFrame, c: &str| df.column(c).unwrap().u64().unwrap().into_no_null_iter().collect::<Vec<u64>>();
+    let col_f64 = |df: &polars::prelude::DataFrame, c: &str| df.column(c).unwrap().f64().unwrap().into_no_null_iter().collect::<Vec<f64>>();
+    assert_eq!(col_u64(&summary, "accepted").iter().sum::<u64>(), col_u64(&runs, "accepted").iter().sum::<u64>());
+    assert_eq!(col_u64(&summary, "drafts").iter().sum::<u64>(), col_u64(&runs, "drafts").iter().sum::<u64>());
+    let (ratio, diff) = (col_f64(&summary, "ratio"), col_f64(&summary, "mean_acceptance_length_diff"));
+    assert!(ratio.iter().zip(&diff).filter(|(r, _)| **r == 0.0).all(|(_, d)| *d == 0.0));
+    for (lo, (v, hi)) in col_f64(&summary, "acceptance_rate_boot_lo")
+        .iter()
+        .zip(col_f64(&summary, "acceptance_rate").iter().zip(col_f64(&summary, "acceptance_rate_boot_hi")))
+    {
+        assert!(*lo <= *v && *v <= hi, "{lo} ≤ {v} ≤ {hi}");
+    }
+    assert_eq!(frspec::store::read(&a.join("timings.parquet")).unwrap().height(), runs.height());
+    assert_eq!(frspec::store::read(&a.join("timing_summary.parquet")).unwrap().height(), 4);
+
+    let manifest: serde_json::Value = serde_json::from_slice(&bytes(&a, "manifest.json")).unwrap();
+    assert_eq!(manifest["settings"]["repeats"], 2);
+    assert_eq!(manifest["files"]["model"]["sha256"].as_str().unwrap().len(), 64);
+    assert!(manifest["files"]["draft"].is_object() && manifest["files"]["freq"].is_object() && manifest["files"]["dataset"].is_object());
+    assert!(manifest["crates"]["polars"].is_string() && manifest["crates"]["candle-core"].is_string(), "{manifest}");
+    assert!(manifest["git_commit"].is_string() && manifest["hardware"]["threads"].as_u64().unwrap() >= 1);
+    assert_eq!((manifest["units_total"].as_u64(), manifest["units_resumed"].as_u64()), (Some(3 + 3 * 2), Some(0)));
+}
+
+#[test]
+fn kill_9_then_resume_gives_the_uninterrupted_tables_and_the_folder_guards_its_sweep() {
+    let f = Fixture::new(8);
+    let args = ["--ratios", "0,0.5,0.9", "--temperatures", "0,1", "--repeats", "3", "--turns", "1", "--max-new-tokens", "24"];
+    let whole = f.dir.path().join("whole");
+    ok(f.sweep(&whole, &args));
+
+    // Units: 8 greedy + 8 × 3 sampled. Kill after a random number of them, at a random moment within the next.
+    let units = 8 + 8 * 3;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() as usize;
+    let kill_after = 1 + nanos % (units - 3);
+    let killed = f.dir.path().join("killed");
+    let mut child = f.sweep(&killed, &args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let journal = killed.join("units");
+    let finished = |p: &PathBuf| std::fs::read_dir(p).map_or(0, |d| d.filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "json")).count().saturating_sub(1));
+    while finished(&journal) < kill_after {
+        assert!(child.try_wait().unwrap().is_none(), "the sweep ended before it was killed");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    std::thread::sleep(std::time::Duration::from_micros((nanos % 20_000) as u64));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!killed.join("summary.parquet").exists(), "killed after {kill_after} units, but the sweep had finished");
+
+    // The folder refuses a fresh start and other arguments, then resumes.
+    let refused = f.sweep(&killed, &args).output().unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("--resume"), "{err}");
+    let longer: Vec<&str> = args.iter().map(|a| if *a == "24" { "25" } else { a }).collect();
+    let mut other = f.sweep(&killed, &longer);
+    other.arg("--resume");
+    let refused = other.output().unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("max_new_tokens: 24 → 25"), "{err}");
+
+    let mut resume = f.sweep(&killed, &args);
+    resume.arg("--resume");
+    ok(resume);
+    for file in ["runs.parquet", "summary.parquet"] {
+        assert!(bytes(&whole, file) == bytes(&killed, file), "{file} after kill -9 at unit {kill_after} + resume differs");
+    }
+    let manifest: serde_json::Value = serde_json::from_slice(&bytes(&killed, "manifest.json")).unwrap();
+    assert!(manifest["units_resumed"].as_u64().unwrap() >= kill_after as u64);
+
+    let mut overwrite = f.sweep(&killed, &args);
+    overwrite.args(["--overwrite", "--seed", "8"]);
+    ok(overwrite);
+    assert!(bytes(&whole, "runs.parquet") != bytes(&killed, "runs.parquet"), "another seed, other sampled records");
+}
