@@ -9,7 +9,8 @@ cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 mkdir -p "$cache/freq" results/freq
 for tok in llama31-tokenizer smollm2; do
   out="$cache/freq/brown-$tok.safetensors"
-  "$frspec" freq build --tokenizer "$tok" --corpus "$cache/brown" --format tagged --out "$out"
+  # Relative to the cache, so the file (and its sha256, which sweeps record) is the same on every machine.
+  (cd "$cache" && "$frspec" freq build --tokenizer "$tok" --corpus brown --format tagged --out "freq/brown-$tok.safetensors")
   {
     echo "# Brown corpus coverage, $tok"
     echo

@@ -108,6 +108,21 @@ pub struct HeadBench {
     pub draft_step_secs: f64,
 }
 
+/// Median seconds of one evaluation of `head` (one hidden row → logits) over `reps` calls. The values of the row
+/// do not change the time.
+pub fn head_secs(head: &crate::draft::DraftHead, hidden_row: &[f32], reps: usize) -> f64 {
+    let mut logits = Vec::new();
+    let mut scratch = crate::tensor::MatmulScratch::default();
+    let times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            head.logits(hidden_row, &mut logits, &mut scratch);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    median(&times)
+}
+
 /// Head and draft-step time for each ratio and head mode (`None` = the full head), on the chat prompt `question`.
 pub fn draft_heads(
     target: &Target,
@@ -142,14 +157,6 @@ pub fn draft_heads(
             None => None,
         };
         let head = DraftHead::new(draft.lm_head(), keep, mode.unwrap_or(HeadMode::Slice))?;
-        let mut logits = Vec::new();
-        let mut scratch = crate::tensor::MatmulScratch::default();
-        let mut head_times = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let t = Instant::now();
-            head.logits(&hidden_row, &mut logits, &mut scratch);
-            head_times.push(t.elapsed().as_secs_f64());
-        }
         let mut step_times = Vec::with_capacity(reps);
         let mut proposal = Proposal::default();
         let ctx = Context { tokens: &tokens, features: &fwd.hidden, layer_features: &layer_features };
@@ -166,7 +173,7 @@ pub fn draft_heads(
             ratio,
             head: mode.map_or("full".into(), |m| format!("{m:?}").to_lowercase()),
             kept: head.kept(),
-            head_secs: median(&head_times),
+            head_secs: head_secs(&head, &hidden_row, reps),
             draft_step_secs: median(&step_times),
         });
     }

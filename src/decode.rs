@@ -253,6 +253,49 @@ fn recover(p: &[f32], proposal: &Proposal, i: usize, head: &DraftHead, residual:
     draw(residual, rng)
 }
 
+/// The target's greedy continuation of a prompt with the features drafts read.
+pub struct Continuation {
+    /// Prompt and generated tokens.
+    pub tokens: Vec<u32>,
+    /// Post-norm hidden states of every token but the last (which was never fed): `[tokens.len() - 1, hidden]`.
+    pub features: Vec<f32>,
+    /// For each requested layer, its input at the same positions.
+    pub captured: Vec<Vec<f32>>,
+    pub stop: StopReason,
+    pub secs: f64,
+}
+
+/// Generate greedily one token at a time after `prompt`, keeping every position's features and the inputs of
+/// `layers`.
+pub fn greedy_continuation(target: &Model, stop_ids: &[u32], prompt: &[u32], max_new_tokens: usize, layers: &[usize]) -> Result<Continuation> {
+    if prompt.is_empty() {
+        bail!("empty prompt");
+    }
+    let t0 = Instant::now();
+    let ctx_limit = target.config.context_length;
+    let mut cache = target.new_cache();
+    let mut fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], layers)?;
+    let mut features = fwd.hidden.clone();
+    let mut captured: Vec<Vec<f32>> = fwd.layer_inputs.clone();
+    let mut tokens = prompt.to_vec();
+    let stop = loop {
+        let next = crate::sampling::argmax(&fwd.logits);
+        tokens.push(next);
+        let generated = tokens.len() - prompt.len();
+        if stop_ids.contains(&next) {
+            break StopReason::EndOfTurn;
+        } else if generated == max_new_tokens {
+            break StopReason::MaxTokens;
+        } else if cache.len() + 1 >= ctx_limit {
+            break StopReason::ContextLimit;
+        }
+        fwd = target.forward(&[next], &mut cache, &[0], layers)?;
+        features.extend_from_slice(&fwd.hidden);
+        captured.iter_mut().zip(&fwd.layer_inputs).for_each(|(c, l)| c.extend_from_slice(l));
+    };
+    Ok(Continuation { tokens, features, captured, stop, secs: t0.elapsed().as_secs_f64() })
+}
+
 /// Greedy (T = 0) speculative decoding for several drafts at once. Greedy output does not depend on the draft,
 /// so the target's continuation is generated once, and each draft is run along it: a draft token is accepted
 /// while it matches the continuation, and the next token is the continuation's. The target features the drafts
@@ -269,9 +312,6 @@ pub fn greedy_turns(
     if k == 0 {
         bail!("k (draft tokens per step) must be at least 1");
     }
-    if prompt.is_empty() {
-        bail!("empty prompt");
-    }
     let (h, ctx_limit) = (target.config.hidden, target.config.context_length);
     let layers: Vec<usize> = {
         let mut all: Vec<usize> = drafts.iter().flat_map(|(d, _)| d.target_layers()).collect();
@@ -279,31 +319,8 @@ pub fn greedy_turns(
         all.dedup();
         all
     };
-    // The target's greedy continuation with its features, one token at a time.
-    let t0 = Instant::now();
-    let mut cache = target.new_cache();
-    let mut fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], &layers)?;
-    let mut features = fwd.hidden.clone();
-    let mut captured: Vec<Vec<f32>> = fwd.layer_inputs.clone();
-    let mut tokens = prompt.to_vec();
-    let mut stop = None;
-    while stop.is_none() {
-        let next = crate::sampling::argmax(&fwd.logits);
-        tokens.push(next);
-        let generated = tokens.len() - prompt.len();
-        if stop_ids.contains(&next) {
-            stop = Some(StopReason::EndOfTurn);
-        } else if generated == max_new_tokens {
-            stop = Some(StopReason::MaxTokens);
-        } else if cache.len() + 1 >= ctx_limit {
-            stop = Some(StopReason::ContextLimit);
-        } else {
-            fwd = target.forward(&[next], &mut cache, &[0], &layers)?;
-            features.extend_from_slice(&fwd.hidden);
-            captured.iter_mut().zip(&fwd.layer_inputs).for_each(|(c, l)| c.extend_from_slice(l));
-        }
-    }
-    let target_secs = t0.elapsed().as_secs_f64();
+    let Continuation { tokens, features, captured, stop, secs: target_secs } = greedy_continuation(target, stop_ids, prompt, max_new_tokens, &layers)?;
+    let stop = Some(stop);
 
     let mut records = Vec::with_capacity(drafts.len());
     let mut proposal = Proposal::default();

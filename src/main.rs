@@ -162,6 +162,84 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// Plots of a sweep folder (PNG and SVG) into DIR/plots/.
+    Plot {
+        /// A sweep's output folder.
+        dir: PathBuf,
+    },
+    /// A sweep's table in Markdown (ratios as columns, length and rate rows with 95% intervals).
+    Report {
+        dir: PathBuf,
+        /// Write to this file instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Compare a sweep with a baseline sweep: exit 0 pass, 1 regression, 2 unusable input.
+    Check {
+        /// The baseline sweep folder (summary.parquet + manifest.json).
+        #[arg(long)]
+        baseline: PathBuf,
+        /// The current sweep folder.
+        #[arg(long)]
+        current: PathBuf,
+        #[arg(long, value_enum, value_delimiter = ',', action = clap::ArgAction::Set, default_value = "mean-acceptance-length,acceptance-rate")]
+        metric: Vec<frspec::check::CheckMetric>,
+        /// The drop always allowed, as a share of the baseline value; the confidence intervals may allow more.
+        #[arg(long, default_value_t = 0.01)]
+        tolerance: f64,
+        /// Make the current sweep the baseline (copies its summary and manifest) instead of checking.
+        #[arg(long)]
+        update_baseline: bool,
+    },
+    /// Train an EAGLE-1 head for a target on its own answers to prompts made from a corpus; resumable.
+    TrainEagle {
+        /// The frozen target: a named asset, a .gguf/.safetensors file, a model folder or a hub repo id.
+        #[arg(long, default_value = DEFAULT_MODEL)]
+        target: String,
+        /// The training folder; the head (config.json + model.safetensors) is written into it.
+        #[arg(long)]
+        out: PathBuf,
+        /// Corpus files or folders the prompts are made from (never the evaluation set).
+        #[arg(long, required = true, num_args = 1..)]
+        corpus: Vec<PathBuf>,
+        #[arg(long, value_enum, default_value = "text")]
+        format: CorpusFormat,
+        /// Conversations the target answers for training.
+        #[arg(long, default_value_t = 1000)]
+        prompts: usize,
+        /// Longest answer the target generates per prompt.
+        #[arg(long, default_value_t = 192)]
+        max_new_tokens: usize,
+        /// Optimisation steps; 0 writes the untrained initial head (for comparisons) without generating data.
+        #[arg(long, default_value_t = 2000)]
+        steps: usize,
+        /// Conversations per step.
+        #[arg(long, default_value_t = 4)]
+        batch: usize,
+        /// Peak learning rate (AdamW), reached after --warmup steps, then cosine decay to a tenth.
+        #[arg(long, default_value_t = 1e-3)]
+        lr: f64,
+        #[arg(long, default_value_t = 100)]
+        warmup: usize,
+        #[arg(long, default_value_t = 0.0)]
+        weight_decay: f64,
+        #[arg(long, default_value_t = 100)]
+        checkpoint_every: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Train against a pruned vocabulary ranked by these frequencies (with --ratio or --keep).
+        #[arg(long)]
+        freq: Option<PathBuf>,
+        #[arg(long, conflicts_with = "keep")]
+        ratio: Option<f64>,
+        #[arg(long)]
+        keep: Option<usize>,
+        /// Compute device. Training runs on the CPU only in this build.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Speed measurements.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -401,6 +479,64 @@ fn run(cli: Cli) -> Result<()> {
                 out.display()
             );
         }
+        Command::TrainEagle {
+            target, out, corpus, format, prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, freq, ratio, keep, device, quiet,
+        } => {
+            if device != "cpu" {
+                bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
+            }
+            let keep = ratio.map(KeepRule::Ratio).or(keep.map(KeepRule::Keep));
+            if let Some(rule) = keep {
+                rule.validate()?;
+            }
+            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every };
+            frspec::train::train_eagle(&frspec::train::TrainOptions { target, out, corpus, format, prompts, max_new_tokens, settings, freq, keep, quiet })?;
+        }
+        Command::Plot { dir } => {
+            let result = frspec::check::SweepResult::load(&dir)?;
+            let timings = frspec::store::read_timing_summary(&dir.join(frspec::store::TIMING_SUMMARY))?;
+            let labels = frspec::plot::Labels { title: sweep_title(&result.manifest) };
+            for file in frspec::plot::write(&dir.join("plots"), &result.cells, &timings, &labels)? {
+                println!("{}", file.display());
+            }
+        }
+        Command::Report { dir, out } => {
+            let result = frspec::check::SweepResult::load(&dir)?;
+            let timings = frspec::store::read_timing_summary(&dir.join(frspec::store::TIMING_SUMMARY))?;
+            let text = format!(
+                "{}\n\nValues with 95% bootstrap intervals over prompts; Δ rows are paired differences.\n\n{}",
+                sweep_title(&result.manifest),
+                frspec::report::table(&result.cells, &timings, true)
+            );
+            match out {
+                Some(path) => std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?,
+                None => print!("{text}"),
+            }
+        }
+        Command::Check { baseline, current, metric, tolerance, update_baseline } => {
+            if update_baseline {
+                frspec::check::update_baseline(&baseline, &current)?;
+                println!("baseline {} now holds the summary of {}", baseline.display(), current.display());
+                return Ok(());
+            }
+            let compared = frspec::check::SweepResult::load(&baseline)
+                .and_then(|b| Ok((b, frspec::check::SweepResult::load(&current)?)))
+                .and_then(|(b, c)| frspec::check::compare(&b, &c, &metric, tolerance));
+            let rows = match compared {
+                Ok(rows) => rows,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    std::process::exit(2);
+                }
+            };
+            print!("{}", frspec::check::table(&rows));
+            let regressed: Vec<_> = rows.iter().filter(|r| r.regressed).collect();
+            if !regressed.is_empty() {
+                eprintln!("regression: {} of {} comparisons fell below the baseline by more than allowed", regressed.len(), rows.len());
+                std::process::exit(1);
+            }
+            eprintln!("pass: {} comparisons within what the tolerance and intervals allow", rows.len());
+        }
         Command::Bench(BenchCommand::Decode { model, prompt, new_tokens, runs, block, json }) => {
             if runs == 0 || new_tokens == 0 || block == 0 {
                 bail!("--runs, --new-tokens and --block must be at least 1");
@@ -513,24 +649,20 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// One line naming what a sweep measured, from its manifest.
+fn sweep_title(manifest: &serde_json::Value) -> String {
+    let s = &manifest["settings"];
+    let text = |key: &str| s[key].as_str().unwrap_or("-").to_string();
+    let draft = match s["draft"].as_str() {
+        Some(d) => format!("{} {d}", text("draft_kind")),
+        None => text("draft_kind"),
+    };
+    format!("{} · draft {draft} · freq {} · {} · k = {}", text("model"), text("freq"), text("dataset"), s["k"])
+}
+
 fn freq_build(tokenizer: &str, corpus: &[PathBuf], format: CorpusFormat, out: &std::path::Path) -> Result<()> {
     let tok = frspec::tokenizer::Tokenizer::load(tokenizer)?;
-    let mut files = Vec::new();
-    for c in corpus {
-        if c.is_dir() {
-            let mut inside: Vec<PathBuf> = std::fs::read_dir(c)
-                .with_context(|| format!("cannot read corpus folder {}", c.display()))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.is_file() && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
-                .collect();
-            inside.sort();
-            files.extend(inside);
-        } else if c.is_file() {
-            files.push(c.clone());
-        } else {
-            bail!("corpus file {} does not exist", c.display());
-        }
-    }
+    let files = frspec::vocab::corpus_files(corpus)?;
     let bar = indicatif::ProgressBar::new(files.len() as u64).with_style(
         indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} files, {msg} tokens, {elapsed} (ETA {eta})")?,
     );

@@ -46,6 +46,8 @@ pub struct Config {
     pub rope_style: RopeStyle,
     pub rope_scaling: Option<Llama3RopeScaling>,
     pub context_length: usize,
+    /// Whether the LM head may be the embedding (GGUF files omit `output.weight` then; HF configs say so).
+    pub tied_embeddings: bool,
 }
 
 /// One Llama decoder layer. EAGLE-1's layer has no input norm (its input is already a projection).
@@ -369,7 +371,13 @@ impl Model {
         let c = &config;
         let layers = (0..c.layers).map(|i| load_layer(src, c, &format!("blk.{i}"), true)).collect::<Result<Vec<_>>>()?;
         let embed = Arc::new(load_linear(src, "token_embd", c.vocab, c.hidden)?.weight);
-        let lm_head = if src.contains("output.weight") { Some(Arc::new(load_linear(src, "output", c.vocab, c.hidden)?.weight)) } else { None };
+        let lm_head = if src.contains("output.weight") {
+            Some(Arc::new(load_linear(src, "output", c.vocab, c.hidden)?.weight))
+        } else if c.tied_embeddings {
+            None
+        } else {
+            bail!("{}: the model has no LM head (lm_head.weight is missing and the embeddings are not tied)", src.path().display());
+        };
         let rope_freqs = if src.contains("rope_freqs.weight") { Some(src.vector("rope_freqs.weight")?) } else { None };
         let geometry = Geometry::new(c, rope_freqs.as_deref());
         let norm = load_norm(src, "output_norm.weight", c.hidden)?;
@@ -576,6 +584,7 @@ fn gguf_config(g: &Gguf) -> Result<Config> {
         rope_scaling: None,
         context_length: g.meta_u32(&key("context_length"))? as usize,
         architecture: arch,
+        tied_embeddings: true,
     };
     validate(&config, g.path())?;
     Ok(config)
@@ -595,6 +604,7 @@ struct HfConfig {
     rope_theta: Option<f32>,
     max_position_embeddings: usize,
     rope_scaling: Option<serde_json::Value>,
+    tie_word_embeddings: Option<bool>,
 }
 
 pub fn hf_config(path: &Path) -> Result<Config> {
@@ -632,6 +642,7 @@ pub fn hf_config_from(json: serde_json::Value, path: &Path, any_architecture: bo
         rope_style: RopeStyle::Halves,
         rope_scaling,
         context_length: hf.max_position_embeddings,
+        tied_embeddings: hf.tie_word_embeddings.unwrap_or(false),
     };
     validate(&config, path)?;
     Ok(config)

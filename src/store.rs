@@ -3,11 +3,11 @@
 //! runs.parquet and summary.parquet hold only what the seed determines, so the same sweep writes them byte for
 //! byte again; every clock reading goes to timings.parquet (per run) and timing_summary.parquet (per cell).
 
-use crate::stats::Estimate;
+use crate::stats::{Counts, Estimate, Interval};
 use crate::summary::{CellSummary, CellTiming};
 use crate::sweep::Run;
 use anyhow::{anyhow, Context, Result};
-use polars::prelude::{Column, DataFrame, NamedFrom, ParquetReader, ParquetWriter, SerReader, Series};
+use polars::prelude::{Column, DataFrame, DataType, NamedFrom, ParquetReader, ParquetWriter, PolarsResult, SerReader, Series};
 use std::path::Path;
 
 pub const RUNS: &str = "runs.parquet";
@@ -140,6 +140,110 @@ pub fn write_timing_summary(path: &Path, cells: &[CellTiming]) -> Result<()> {
             col("target_secs", f64s(|c| c.target_secs)),
             col("draft_ms_per_step", f64s(|c| c.draft_ms_per_step)),
             col("tokens_per_sec", cells.iter().map(|c| c.tokens_per_sec).collect::<Vec<Option<f64>>>()),
+            col("head_ms", cells.iter().map(|c| c.head_ms).collect::<Vec<Option<f64>>>()),
         ],
     )
+}
+
+/// A column of `df` (read from `path`) as values, or an error naming the file and column.
+fn values<T>(df: &DataFrame, path: &Path, name: &str, get: impl Fn(&Column) -> PolarsResult<Vec<Option<T>>>) -> Result<Vec<Option<T>>> {
+    let column = df.column(name).map_err(|_| anyhow!("{}: no column `{name}`", path.display()))?;
+    get(column).map_err(|e| anyhow!("{}: column `{name}` has the wrong type: {e}", path.display()))
+}
+
+fn f64s(df: &DataFrame, path: &Path, name: &str) -> Result<Vec<Option<f64>>> {
+    values(df, path, name, |c| Ok(c.cast(&DataType::Float64)?.f64()?.to_vec()))
+}
+
+fn u64s(df: &DataFrame, path: &Path, name: &str) -> Result<Vec<u64>> {
+    let v = values(df, path, name, |c| Ok(c.cast(&DataType::UInt64)?.u64()?.to_vec()))?;
+    v.into_iter().map(|x| x.ok_or_else(|| anyhow!("{}: column `{name}` has nulls", path.display()))).collect()
+}
+
+fn required(path: &Path, name: &str, v: Vec<Option<f64>>) -> Result<Vec<f64>> {
+    v.into_iter().map(|x| x.ok_or_else(|| anyhow!("{}: column `{name}` has nulls", path.display()))).collect()
+}
+
+fn estimates(df: &DataFrame, path: &Path, name: &str) -> Result<Vec<Estimate>> {
+    let req = |suffix: &str| -> Result<Vec<f64>> {
+        let col = format!("{name}{suffix}");
+        required(path, &col, f64s(df, path, &col)?)
+    };
+    let (value, lo, hi) = (req("")?, req("_boot_lo")?, req("_boot_hi")?);
+    let (t_lo, t_hi) = (f64s(df, path, &format!("{name}_t_lo"))?, f64s(df, path, &format!("{name}_t_hi"))?);
+    Ok((0..value.len())
+        .map(|i| Estimate {
+            value: value[i],
+            bootstrap: Interval { lo: lo[i], hi: hi[i] },
+            t: t_lo[i].zip(t_hi[i]).map(|(lo, hi)| Interval { lo, hi }),
+        })
+        .collect())
+}
+
+/// summary.parquet back into cells.
+pub fn read_summary(path: &Path) -> Result<Vec<CellSummary>> {
+    let df = read(path)?;
+    let f = |name: &str| required(path, name, f64s(&df, path, name)?);
+    let u = |name: &str| u64s(&df, path, name);
+    let (ratio, kept, temperature, prompts, repeats, runs, generated) =
+        (f("ratio")?, u("kept")?, f("temperature")?, u("prompts")?, u("repeats")?, u("runs")?, u("generated")?);
+    let (drafts, draft_tokens, accepted, expected) = (u("drafts")?, u("draft_tokens")?, u("accepted")?, f("expected_accepted")?);
+    let est = |name: &str| estimates(&df, path, name);
+    let (length, rate, rb_length, rb_rate) =
+        (est("mean_acceptance_length")?, est("acceptance_rate")?, est("rb_mean_acceptance_length")?, est("rb_acceptance_rate")?);
+    let (baseline, length_diff, rate_diff) = (f("baseline_ratio")?, est("mean_acceptance_length_diff")?, est("acceptance_rate_diff")?);
+    let positions = (1..).take_while(|i| df.column(&format!("accepted_pos{i}")).is_ok()).count();
+    let per_position = (1..=positions).map(|i| est(&format!("accepted_pos{i}"))).collect::<Result<Vec<_>>>()?;
+    Ok((0..df.height())
+        .map(|i| CellSummary {
+            ratio: ratio[i],
+            kept: kept[i],
+            temperature: temperature[i] as f32,
+            prompts: prompts[i] as u32,
+            repeats: repeats[i] as u32,
+            runs: runs[i],
+            generated: generated[i],
+            counts: Counts { drafts: drafts[i], draft_tokens: draft_tokens[i], accepted: accepted[i], expected_accepted: expected[i], accepted_per_pos: Vec::new() },
+            length: length[i],
+            rate: rate[i],
+            rb_length: rb_length[i],
+            rb_rate: rb_rate[i],
+            per_position: per_position.iter().map(|p| p[i]).collect(),
+            baseline_ratio: baseline[i],
+            length_diff: length_diff[i],
+            rate_diff: rate_diff[i],
+        })
+        .collect())
+}
+
+/// Head times, absent from tables written before they were measured.
+fn head_ms(df: &DataFrame, path: &Path) -> Result<Vec<Option<f64>>> {
+    match df.column("head_ms") {
+        Ok(_) => f64s(df, path, "head_ms"),
+        Err(_) => Ok(vec![None; df.height()]),
+    }
+}
+
+/// timing_summary.parquet back into cells.
+pub fn read_timing_summary(path: &Path) -> Result<Vec<CellTiming>> {
+    let df = read(path)?;
+    let f = |name: &str| required(path, name, f64s(&df, path, name)?);
+    let u = |name: &str| u64s(&df, path, name);
+    let (ratio, kept, temperature, generated, drafts) = (f("ratio")?, u("kept")?, f("temperature")?, u("generated")?, u("drafts")?);
+    let (draft_secs, target_secs, per_step, tokens_per_sec, head_ms) =
+        (f("draft_secs")?, f("target_secs")?, f("draft_ms_per_step")?, f64s(&df, path, "tokens_per_sec")?, head_ms(&df, path)?);
+    Ok((0..df.height())
+        .map(|i| CellTiming {
+            ratio: ratio[i],
+            kept: kept[i],
+            temperature: temperature[i] as f32,
+            generated: generated[i],
+            drafts: drafts[i],
+            draft_secs: draft_secs[i],
+            target_secs: target_secs[i],
+            draft_ms_per_step: per_step[i],
+            tokens_per_sec: tokens_per_sec[i],
+            head_ms: head_ms[i],
+        })
+        .collect())
 }

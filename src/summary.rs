@@ -46,6 +46,8 @@ pub struct CellTiming {
     /// Generated tokens per second of draft and target time; None at T = 0, where the target time is the fast
     /// path's shared one-token-at-a-time pass rather than verification.
     pub tokens_per_sec: Option<f64>,
+    /// Median milliseconds of one draft LM-head evaluation (one row) with this cell's head, timed after the sweep.
+    pub head_ms: Option<f64>,
 }
 
 fn units(runs: &[&Run]) -> Vec<Unit> {
@@ -99,7 +101,8 @@ pub fn summarize(plan: &Plan, kept: &[u64], runs: &[Run]) -> Result<Vec<CellSumm
     Ok(out)
 }
 
-pub fn timings(plan: &Plan, kept: &[u64], runs: &[Run]) -> Vec<CellTiming> {
+/// `head_ms[i]`: the head time of `plan.ratios[i]`.
+pub fn timings(plan: &Plan, kept: &[u64], head_ms: &[f64], runs: &[Run]) -> Vec<CellTiming> {
     cells(plan, runs)
         .into_iter()
         .map(|(ti, ri, cell)| {
@@ -118,6 +121,7 @@ pub fn timings(plan: &Plan, kept: &[u64], runs: &[Run]) -> Vec<CellTiming> {
                 target_secs,
                 draft_ms_per_step: if drafts == 0 { 0.0 } else { 1e3 * draft_secs / drafts as f64 },
                 tokens_per_sec: (temperature != 0.0).then(|| generated as f64 / (draft_secs + target_secs).max(1e-9)),
+                head_ms: Some(head_ms[ri]),
             }
         })
         .collect()

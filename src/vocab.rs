@@ -181,11 +181,23 @@ impl Frequencies {
         let views = vec![("ids", view(&ids[..])?), ("counts", view(&cs[..])?)];
         let mut meta = self.metadata.clone();
         meta.insert("format".into(), "frspec-frequencies-v1".into());
-        let tmp = path.with_extension("safetensors.part");
-        safetensors::tensor::serialize_to_file(views, Some(meta), &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
-        std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-        Ok(())
+        let bytes = sorted_header(safetensors::tensor::serialize(views, Some(meta))?)?;
+        crate::store::write_atomic(path, &bytes)
     }
+}
+
+/// The safetensors crate writes the metadata map in hash order, so two saves of the same frequencies differ byte
+/// for byte; sweeps identify their inputs by sha256. Re-encode the header with sorted keys (tensor offsets are
+/// relative to the data, so only the header changes), padded with spaces to 8 bytes as the format asks.
+fn sorted_header(bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n])?;
+    let mut text = serde_json::to_vec(&header)?;
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    Ok(out)
 }
 
 fn to_u64_counts(t: &Tensor, path: &Path) -> Result<Vec<u64>> {
@@ -306,6 +318,27 @@ pub enum CorpusFormat {
     Text,
     /// Brown-corpus style `word/TAG` tokens: the tags are stripped, the words of a line joined by spaces.
     Tagged,
+}
+
+/// Corpus arguments as files: a folder stands for every file inside it (sorted by name, hidden files skipped).
+pub fn corpus_files(corpus: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for c in corpus {
+        if c.is_dir() {
+            let mut inside: Vec<PathBuf> = std::fs::read_dir(c)
+                .with_context(|| format!("cannot read corpus folder {}", c.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file() && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+                .collect();
+            inside.sort();
+            files.extend(inside);
+        } else if c.is_file() {
+            files.push(c.clone());
+        } else {
+            bail!("corpus file {} does not exist", c.display());
+        }
+    }
+    Ok(files)
 }
 
 /// The lines of a corpus file, as the text to tokenize.

@@ -264,3 +264,40 @@ fn bad_sweeps_fail_before_writing_anything() {
     assert!(err.contains("does not hold a frspec sweep"), "{err}");
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1);
 }
+
+#[test]
+fn bad_training_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, "\n  \n\n").unwrap();
+    let model = synthetic_dir();
+    let out = dir.path().join("head");
+    let (m, c, o) = (model.path().to_str().unwrap(), corpus.to_str().unwrap(), out.to_str().unwrap());
+    let base = ["train-eagle", "--target", m, "--corpus", c, "--out", o, "--prompts", "2", "--batch", "1", "--max-new-tokens", "4", "--quiet"];
+    let err = fails(&base, &[]);
+    assert!(err.contains("corpus.txt) holds no text"), "{err}");
+    assert!(!out.exists(), "no partial output");
+
+    // A target whose weights have no LM head (untied, lm_head.weight missing).
+    let headless = tempfile::tempdir().unwrap();
+    synthetic::write_model(headless.path(), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
+    let file = headless.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
+    tensors.remove("lm_head.weight");
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    std::fs::write(&corpus, "the river town council voted to build a new bridge over quiet water\n").unwrap();
+    let args: Vec<&str> = base.iter().map(|a| if *a == m { headless.path().to_str().unwrap() } else { a }).collect();
+    let err = fails(&args, &[]);
+    assert!(err.contains("lm_head.weight"), "{err}");
+    assert!(!out.exists(), "no partial output");
+
+    // A folder holding another run.
+    let mut ok_args: Vec<&str> = base.to_vec();
+    ok_args.extend(["--steps", "2"]);
+    let done = frspec().args(&ok_args).output().unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert!(out.join("config.json").exists() && out.join("model.safetensors").exists());
+    ok_args.extend(["--seed", "9"]);
+    let err = fails(&ok_args, &[]);
+    assert!(err.contains("holds another training run (differs in: settings)"), "{err}");
+}

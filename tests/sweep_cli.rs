@@ -153,3 +153,99 @@ fn kill_9_then_resume_gives_the_uninterrupted_tables_and_the_folder_guards_its_s
     ok(overwrite);
     assert!(bytes(&whole, "runs.parquet") != bytes(&killed, "runs.parquet"), "another seed, other sampled records");
 }
+
+/// `frspec check` with its exit code and output.
+fn check(baseline: &Path, current: &Path) -> (Option<i32>, String, String) {
+    let out = frspec().args(["check", "--baseline", baseline.to_str().unwrap(), "--current", current.to_str().unwrap()]).output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+#[test]
+fn check_passes_its_own_baseline_fails_a_doctored_one_and_refuses_what_it_cannot_compare() {
+    let f = Fixture::new(4);
+    let (a, b) = (f.dir.path().join("a"), f.dir.path().join("b"));
+    ok(f.sweep(&a, &SMALL));
+    ok(f.sweep(&b, &SMALL));
+    let (code, stdout, _) = check(&a, &b);
+    assert_eq!(code, Some(0), "{stdout}");
+    assert_eq!(stdout.matches(" ok").count(), 4 * 2, "4 cells × 2 metrics: {stdout}");
+
+    // Raise the baseline's T = 1, ratio 0.5 length far above anything its interval allows.
+    let doctored = f.dir.path().join("doctored");
+    let update = frspec().args(["check", "--update-baseline", "--baseline", doctored.to_str().unwrap(), "--current", a.to_str().unwrap()]).output().unwrap();
+    assert!(update.status.success());
+    let summary = doctored.join("summary.parquet");
+    let mut cells = frspec::store::read_summary(&summary).unwrap();
+    let cell = cells.iter_mut().find(|c| c.ratio == 0.5 && c.temperature == 1.0).unwrap();
+    cell.length.value += 1.0;
+    cell.length.bootstrap.lo += 1.0;
+    cell.length.bootstrap.hi += 1.0;
+    frspec::store::write_summary(&summary, &cells).unwrap();
+    let (code, stdout, stderr) = check(&doctored, &b);
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    let flagged: Vec<&str> = stdout.lines().filter(|l| l.contains("REGRESSED")).collect();
+    assert_eq!(flagged.len(), 1, "{stdout}");
+    assert!(flagged[0].contains("0.5") && flagged[0].contains("mean acceptance length") && flagged[0].contains("-1.000"), "{stdout}");
+    assert!(stderr.contains("regression: 1 of 8"), "{stderr}");
+
+    // Unusable: other settings, missing cells, no summary, a corrupt summary.
+    let longer = f.dir.path().join("longer");
+    let args: Vec<&str> = SMALL.iter().map(|a| if *a == "8" { "9" } else { a }).collect();
+    ok(f.sweep(&longer, &args));
+    let (code, _, stderr) = check(&a, &longer);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("different settings") && stderr.contains("max_new_tokens: baseline 8, current 9"), "{stderr}");
+    let fewer = f.dir.path().join("fewer");
+    let args: Vec<&str> = SMALL.iter().map(|a| if *a == "0,0.5" { "0" } else { a }).collect();
+    ok(f.sweep(&fewer, &args));
+    let (code, _, stderr) = check(&a, &fewer);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("lacks cells the baseline has: ratio 0.5 at T=0, ratio 0.5 at T=1"), "{stderr}");
+    let (code, _, stderr) = check(&a, f.dir.path());
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("holds no summary.parquet"), "{stderr}");
+    std::fs::write(b.join("summary.parquet"), b"PAR1 not really").unwrap();
+    let (code, _, stderr) = check(&a, &b);
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("summary.parquet is not a readable Parquet file"), "{stderr}");
+}
+
+#[test]
+fn plots_and_report_of_a_sweep() {
+    let f = Fixture::new(4);
+    let a = f.dir.path().join("a");
+    ok(f.sweep(&a, &SMALL));
+    let out = frspec().args(["plot", a.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for name in frspec::plot::CHARTS {
+        let png = bytes(&a.join("plots"), &format!("{name}.png"));
+        assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{name}.png: {} bytes", png.len());
+        let svg = String::from_utf8(bytes(&a.join("plots"), &format!("{name}.svg"))).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("draft model") && svg.contains("ratio"), "{name}.svg");
+    }
+    let report = ok({
+        let mut c = frspec();
+        c.args(["report", a.to_str().unwrap()]);
+        c
+    });
+    assert!(report.contains("| ratio | vanilla | 0.5 |") && report.contains("| T=1 mean acceptance length |"), "{report}");
+    let err = frspec().args(["plot", f.dir.path().to_str().unwrap()]).output().unwrap();
+    assert_eq!(err.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&err.stderr).contains("holds no summary.parquet"));
+}
+
+/// The default preset's full matrix, run here and committed (results/sweeps/): read back, schema and counts.
+#[test]
+fn the_committed_default_matrix_reads_back_whole() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/sweeps/smollm2-truncated16");
+    let runs = frspec::store::read(&dir.join("runs.parquet")).unwrap();
+    assert_eq!(runs.height(), 6 * 2 * 3 * 20, "6 ratios × T 0, 1 × 3 repeats × 20 prompts × turn 1");
+    let cells = frspec::store::read_summary(&dir.join("summary.parquet")).unwrap();
+    assert_eq!(cells.len(), 12);
+    assert!(cells.iter().all(|c| c.prompts == 20 && c.repeats == 3 && c.runs == 60 && c.per_position.len() == 4));
+    let timings = frspec::store::read_timing_summary(&dir.join("timing_summary.parquet")).unwrap();
+    assert_eq!(timings.len(), 12);
+    assert_eq!(frspec::store::read(&dir.join("timings.parquet")).unwrap().height(), runs.height());
+    let manifest: serde_json::Value = serde_json::from_slice(&bytes(&dir, "manifest.json")).unwrap();
+    assert_eq!((manifest["settings"]["preset"].as_str(), manifest["units_total"].as_u64()), (Some("smollm2-eagle"), Some(20 + 20 * 3)));
+}

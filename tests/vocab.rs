@@ -53,6 +53,19 @@ fn frspec_files_round_trip_with_metadata() {
     assert_eq!(back.metadata.get("corpus").map(String::as_str), Some("test"));
     let err = back.keep_set(KeepRule::Ratio(0.5), 32, &[]).unwrap_err().to_string();
     assert!(err.contains("built for a vocabulary of 16") && err.contains("32"), "{err}");
+
+    // Sweeps identify frequency files by sha256: the same frequencies must save to the same bytes, whatever order
+    // the metadata map iterates in (each map gets its own hash seed).
+    let again = dir.path().join("again.safetensors");
+    for key in ["a", "b", "c", "d", "e", "f", "g"] {
+        f.metadata.insert(key.into(), key.repeat(3));
+    }
+    f.save(&path).unwrap();
+    let mut g = Frequencies::from_counts(&counts, &again);
+    g.metadata = f.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    g.save(&again).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), std::fs::read(&again).unwrap());
+    assert_eq!(Frequencies::load(&again).unwrap().metadata.get("e").map(String::as_str), Some("eee"));
 }
 
 #[test]

@@ -18,6 +18,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+/// Calls of each draft head timed for timing_summary.parquet.
+const HEAD_REPS: usize = 200;
+
 pub struct Options {
     pub mode: FolderMode,
     /// Plain progress lines even on a terminal.
@@ -209,7 +212,9 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
     store::write_timings(&out.join(store::TIMINGS), &runs)?;
     let summary = summary::summarize(&plan, &kept, &runs)?;
     store::write_summary(&out.join(store::SUMMARY), &summary)?;
-    let timings = summary::timings(&plan, &kept, &runs);
+    let row = vec![0.5f32; target.model.config.hidden];
+    let head_ms: Vec<f64> = heads.iter().map(|h| 1e3 * crate::bench::head_secs(h, &row, HEAD_REPS)).collect();
+    let timings = summary::timings(&plan, &kept, &head_ms, &runs);
     store::write_timing_summary(&out.join(store::TIMING_SUMMARY), &timings)?;
 
     let wall_secs = wall.elapsed().as_secs_f64();

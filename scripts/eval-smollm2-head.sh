@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Acceptance of the shipped SmolLM2 EAGLE-1 head on all 80 MT-Bench first turns (k = 4, T = 0, 128 new tokens),
+# beside an untrained head of the same shape and the truncated-target stand-in, and at ratios 0.5 / 0.75 / 0.9 with
+# the Brown frequency file. Writes results/train/eval/<draft>/ (summary, manifest, report.md).
+# Usage: scripts/eval-smollm2-head.sh [path to a frspec binary]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+frspec=${1:-$(scripts/frspec-bin.sh)}
+cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$work/untrained" --steps 0 --quiet
+common=(--model smollm2 --dataset mt-bench --num-prompts 80 --temperatures 0 --repeats 1 --k 4 --max-new-tokens 128
+        --turns 1 --freq brown-smollm2 --quiet)
+run() {
+  local name=$1; shift
+  "$frspec" sweep "${common[@]}" "$@" --out "$work/$name"
+  mkdir -p "results/train/eval/$name"
+  cp "$work/$name/summary.parquet" "$work/$name/timing_summary.parquet" "$work/$name/manifest.json" "results/train/eval/$name/"
+  "$frspec" report "$work/$name" --out "results/train/eval/$name/report.md"
+}
+run trained --draft heads/smollm2-135m-eagle1 --draft-kind eagle --ratios 0,0.5,0.75,0.9
+run untrained --draft "$work/untrained" --draft-kind eagle --ratios 0
+run truncated16 --draft-kind truncated:16 --ratios 0

@@ -1,0 +1,334 @@
+//! Plots of a sweep folder, as PNG and SVG in DIR/plots/: acceptance length and rate against the pruning ratio with
+//! 95% bands, per-position acceptance, the paired difference against the baseline, and draft / LM-head time. The
+//! font ships inside the binary (DejaVu Sans), so no system font library is needed.
+
+use crate::stats::Estimate;
+use crate::summary::{CellSummary, CellTiming};
+use anyhow::{anyhow, Result};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use std::path::{Path, PathBuf};
+
+const SIZE: (u32, u32) = (1000, 640);
+const RATIO_AXIS: &str = "pruning ratio (share of the vocabulary dropped from the draft head)";
+
+fn font_once() -> Result<()> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular()).is_ok());
+    ok.then_some(()).ok_or_else(|| anyhow!("the embedded DejaVu Sans font could not be registered"))
+}
+
+fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+    anyhow!("drawing failed: {e:?}")
+}
+
+/// What the titles say about the sweep.
+pub struct Labels {
+    pub title: String,
+}
+
+/// One line with a band: (x, estimate) points.
+struct Series {
+    name: String,
+    points: Vec<(f64, Estimate)>,
+}
+
+fn temperatures(cells: &[CellSummary]) -> Vec<f32> {
+    cells.iter().fold(Vec::new(), |mut t, c| {
+        if !t.contains(&c.temperature) {
+            t.push(c.temperature);
+        }
+        t
+    })
+}
+
+fn by_temperature(cells: &[CellSummary], metric: fn(&CellSummary) -> &Estimate) -> Vec<Series> {
+    temperatures(cells)
+        .into_iter()
+        .map(|t| Series {
+            name: format!("T = {t}"),
+            points: cells.iter().filter(|c| c.temperature == t).map(|c| (c.ratio, *metric(c))).collect(),
+        })
+        .collect()
+}
+
+fn range(values: impl Iterator<Item = f64>, include_zero: bool) -> (f64, f64) {
+    let (mut lo, mut hi) = values.fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    if include_zero {
+        lo = lo.min(0.0);
+        hi = hi.max(0.0);
+    }
+    if lo > hi {
+        return (0.0, 1.0);
+    }
+    let pad = ((hi - lo) * 0.08).max(1e-3);
+    (lo - pad, hi + pad)
+}
+
+/// How one panel is drawn.
+struct Panel<'a> {
+    title: &'a str,
+    x_label: &'a str,
+    y_label: &'a str,
+    /// Draw y = 0 (differences).
+    zero_line: bool,
+    /// Mark the x = 0 points as vanilla.
+    mark_vanilla: bool,
+    /// Start the x axis at 0 (ratios) rather than at the data (positions).
+    x_from_zero: bool,
+}
+
+impl Panel<'_> {
+    fn against_ratio<'a>(title: &'a str, x_label: &'a str, y_label: &'a str) -> Panel<'a> {
+        Panel { title, x_label, y_label, zero_line: false, mark_vanilla: false, x_from_zero: true }
+    }
+}
+
+/// Lines with their 95% bootstrap bands.
+fn bands<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, series: &[Series]) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let (title, x_label, y_label) = (panel.title, panel.x_label, panel.y_label);
+    let xs = series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
+    let (x_lo, x_hi) = range(xs, panel.x_from_zero);
+    let ys = series.iter().flat_map(|s| s.points.iter().flat_map(|(_, e)| [e.bootstrap.lo, e.bootstrap.hi, e.value]));
+    let (y_lo, y_hi) = range(ys, panel.zero_line);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 20))
+        .margin(14)
+        .x_label_area_size(48)
+        .y_label_area_size(72)
+        .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .axis_desc_style(("sans-serif", 16))
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(err)?;
+    if panel.zero_line {
+        chart.draw_series(LineSeries::new([(x_lo, 0.0), (x_hi, 0.0)], BLACK.stroke_width(1))).map_err(err)?;
+    }
+    for (i, s) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let mut band: Vec<(f64, f64)> = s.points.iter().map(|(x, e)| (*x, e.bootstrap.hi)).collect();
+        band.extend(s.points.iter().rev().map(|(x, e)| (*x, e.bootstrap.lo)));
+        chart.draw_series(std::iter::once(Polygon::new(band, color.mix(0.18).filled()))).map_err(err)?;
+        chart
+            .draw_series(LineSeries::new(s.points.iter().map(|(x, e)| (*x, e.value)), color.stroke_width(2)))
+            .map_err(err)?
+            .label(&s.name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart.draw_series(s.points.iter().map(|(x, e)| Circle::new((*x, e.value), 3, color.filled()))).map_err(err)?;
+        if panel.mark_vanilla {
+            let vanilla = s.points.iter().filter(|(x, _)| *x == 0.0);
+            chart
+                .draw_series(vanilla.map(|(x, e)| {
+                    EmptyElement::at((*x, e.value)) + Circle::new((0, 0), 7, color.stroke_width(2)) + Text::new("vanilla", (10, -16), ("sans-serif", 14))
+                }))
+                .map_err(err)?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .position(SeriesLabelPosition::LowerLeft)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+/// The charts of one sweep, each drawn on any backend.
+struct Charts<'a> {
+    cells: &'a [CellSummary],
+    timings: &'a [CellTiming],
+    labels: &'a Labels,
+}
+
+/// One named chart of a sweep.
+struct Chart<'a> {
+    charts: &'a Charts<'a>,
+    name: &'static str,
+}
+
+impl Figure for Chart<'_> {
+    fn draw<DB: DrawingBackend>(&self, area: DrawingArea<DB, Shift>) -> Result<()>
+    where
+        DB::ErrorType: 'static,
+    {
+        self.charts.draw(self.name, area)
+    }
+}
+
+impl Charts<'_> {
+    fn draw<DB: DrawingBackend>(&self, name: &str, area: DrawingArea<DB, Shift>) -> Result<()>
+    where
+        DB::ErrorType: 'static,
+    {
+        let body = page(area, &self.labels.title)?;
+        let baseline = self.cells.first().map_or(0.0, |c| c.baseline_ratio);
+        let base = if baseline == 0.0 { "vanilla".to_string() } else { format!("ratio {baseline}") };
+        match name {
+            "acceptance_length" => bands(
+                &body,
+                &Panel {
+                    mark_vanilla: true,
+                    ..Panel::against_ratio("Mean acceptance length (95% bootstrap band over prompts)", RATIO_AXIS, "tokens per drafting step")
+                },
+                &by_temperature(self.cells, |c| &c.length),
+            ),
+            "acceptance_rate" => bands(
+                &body,
+                &Panel {
+                    mark_vanilla: true,
+                    ..Panel::against_ratio("Acceptance rate (95% bootstrap band over prompts)", RATIO_AXIS, "accepted / draft tokens (%)")
+                },
+                &by_temperature(self.cells, |c| &c.rate),
+            ),
+            "paired_difference" => {
+                let title = format!("Mean acceptance length minus {base}'s, paired over prompts (95% band)");
+                let panel = Panel { zero_line: true, ..Panel::against_ratio(&title, RATIO_AXIS, "Δ tokens per drafting step") };
+                bands(&body, &panel, &by_temperature(self.cells, |c| &c.length_diff))
+            }
+            "per_position" => {
+                let temps = temperatures(self.cells);
+                let panels = body.split_evenly((1, temps.len().max(1)));
+                for (t, panel) in temps.iter().zip(&panels) {
+                    let series: Vec<Series> = self
+                        .cells
+                        .iter()
+                        .filter(|c| c.temperature == *t)
+                        .map(|c| Series {
+                            name: if c.ratio == 0.0 { "vanilla".into() } else { format!("ratio {}", c.ratio) },
+                            points: c.per_position.iter().enumerate().map(|(i, e)| ((i + 1) as f64, *e)).collect(),
+                        })
+                        .collect();
+                    let title = format!("T = {t}: steps accepting ≥ i drafts");
+                    let p = Panel { x_from_zero: false, ..Panel::against_ratio(&title, "draft position i", "share of drafting steps") };
+                    bands(panel, &p, &series)?;
+                }
+                Ok(())
+            }
+            "draft_time" => {
+                let (left, right) = body.split_horizontally(SIZE.0 / 2);
+                let point = |t: &CellTiming, v: f64| flat(t.ratio, v);
+                let temps = temperatures(self.cells);
+                let per_step: Vec<Series> = temps
+                    .iter()
+                    .map(|t| Series {
+                        name: format!("T = {t}"),
+                        points: self.timings.iter().filter(|x| x.temperature == *t).map(|x| point(x, x.draft_ms_per_step)).collect(),
+                    })
+                    .collect();
+                bands(&left, &Panel::against_ratio("Draft time per drafting step", "pruning ratio", "ms per step (k drafts)"), &per_step)?;
+                let head: Vec<Series> = vec![Series {
+                    name: "draft LM head, one row".into(),
+                    points: self.timings.iter().filter(|x| x.temperature == temps[0]).filter_map(|x| x.head_ms.map(|h| point(x, h))).collect(),
+                }];
+                bands(&right, &Panel::against_ratio("Draft LM-head time (median of repeated calls)", "pruning ratio", "ms per call"), &head)
+            }
+            other => Err(anyhow!("no chart named {other}")),
+        }
+    }
+}
+
+fn flat(x: f64, v: f64) -> (f64, Estimate) {
+    (x, Estimate { value: v, bootstrap: crate::stats::Interval { lo: v, hi: v }, t: None })
+}
+
+/// Moving average over the last `window` steps, against the step.
+fn smoothed(log: &[crate::train::StepLog], window: usize, f: fn(&crate::train::StepLog) -> f64) -> Vec<(f64, Estimate)> {
+    (0..log.len())
+        .map(|i| {
+            let from = (i + 1).saturating_sub(window);
+            let mean = log[from..=i].iter().map(f).sum::<f64>() / (i + 1 - from) as f64;
+            flat(log[i].step as f64, mean)
+        })
+        .collect()
+}
+
+/// Something drawn on any plotters backend.
+trait Figure {
+    fn draw<DB: DrawingBackend>(&self, area: DrawingArea<DB, Shift>) -> Result<()>
+    where
+        DB::ErrorType: 'static;
+}
+
+/// `figure` as `{stem}.png` and `{stem}.svg`.
+fn write_both<F: Figure>(stem: &Path, figure: &F) -> Result<[PathBuf; 2]> {
+    let (png, svg) = (stem.with_extension("png"), stem.with_extension("svg"));
+    {
+        let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
+        figure.draw(root.clone())?;
+        root.present().map_err(err)?;
+    }
+    {
+        let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
+        figure.draw(root.clone())?;
+        root.present().map_err(err)?;
+    }
+    Ok([png, svg])
+}
+
+/// A page: a header line, then the chart.
+fn page<DB: DrawingBackend>(area: DrawingArea<DB, Shift>, header_text: &str) -> Result<DrawingArea<DB, Shift>>
+where
+    DB::ErrorType: 'static,
+{
+    area.fill(&WHITE).map_err(err)?;
+    let (header, body) = area.split_vertically(34);
+    header.draw_text(header_text, &("sans-serif", 15).into_text_style(&header), (14, 10)).map_err(err)?;
+    Ok(body)
+}
+
+struct TrainingCurve<'a> {
+    log: &'a [crate::train::StepLog],
+    title: &'a str,
+}
+
+impl Figure for TrainingCurve<'_> {
+    fn draw<DB: DrawingBackend>(&self, area: DrawingArea<DB, Shift>) -> Result<()>
+    where
+        DB::ErrorType: 'static,
+    {
+        let losses = [
+            Series { name: "total loss".into(), points: smoothed(self.log, 25, |l| l.loss) },
+            Series { name: "smooth-L1 (features)".into(), points: smoothed(self.log, 25, |l| l.regression) },
+            Series { name: "0.1 × cross-entropy (tokens)".into(), points: smoothed(self.log, 25, |l| 0.1 * l.classification) },
+        ];
+        let top1 = [Series { name: "head argmax = target argmax".into(), points: smoothed(self.log, 25, |l| 100.0 * l.top1) }];
+        let body = page(area, self.title)?;
+        let (left, right) = body.split_horizontally(SIZE.0 / 2);
+        let panel = |t, y| Panel { x_from_zero: false, ..Panel::against_ratio(t, "optimisation step", y) };
+        bands(&left, &panel("Training loss (25-step moving average)", "loss"), &losses)?;
+        bands(&right, &panel("Top-1 agreement on answer positions", "% of positions"), &top1)
+    }
+}
+
+/// The training curve of an EAGLE head (moving averages over 25 steps) as `{stem}.png` and `{stem}.svg`.
+pub fn training_curve(stem: &Path, log: &[crate::train::StepLog], title: &str) -> Result<()> {
+    font_once()?;
+    write_both(stem, &TrainingCurve { log, title }).map(|_| ())
+}
+
+pub const CHARTS: [&str; 5] = ["acceptance_length", "acceptance_rate", "per_position", "paired_difference", "draft_time"];
+
+/// Write every chart as PNG and SVG into `dir`; returns the files written.
+pub fn write(dir: &Path, cells: &[CellSummary], timings: &[CellTiming], labels: &Labels) -> Result<Vec<PathBuf>> {
+    font_once()?;
+    if cells.is_empty() {
+        return Err(anyhow!("the sweep has no cells to plot"));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| anyhow!("cannot create {}: {e}", dir.display()))?;
+    let charts = Charts { cells, timings, labels };
+    let mut written = Vec::new();
+    for name in CHARTS {
+        written.extend(write_both(&dir.join(name), &Chart { charts: &charts, name })?);
+    }
+    Ok(written)
+}

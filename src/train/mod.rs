@@ -1,0 +1,615 @@
+//! Training an EAGLE-1 head on a frozen target.
+//!
+//! Data: prompts derived from a text corpus (never the evaluation set) in the target's chat format, answered by
+//! the target itself (greedy), so the head learns the distribution it will draft for. The target's post-norm
+//! features along each conversation are the teacher signal, cached once on disk in f16.
+//! Objective (EAGLE-1): draft position i sees (f_i, t_{i+1}) and predicts f_{i+1}: smooth-L1 against it, plus 0.1 ×
+//! the cross-entropy of the head's logits through the target's LM head against the target's next-token
+//! distribution softmax(LM head · f_{i+1}); only positions that predict answer tokens count. Inputs get uniform
+//! noise (±0.1), as in EAGLE. AdamW with linear warm-up and cosine decay, gradient norm clipped at 0.5.
+//!
+//! The forward here is written in candle tensor operations because training needs autograd; the engine's own
+//! kernels (model.rs) run the trained head. A test checks the two agree.
+
+use crate::chat::Message;
+use crate::model::Model;
+use crate::store::write_atomic;
+use crate::target::Target;
+use crate::vocab::KeepSet;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::Path;
+
+mod run;
+pub use run::{train_eagle, TrainOptions};
+
+/// Instructions wrapped around corpus passages to make chat prompts; they cover writing, explanation, extraction,
+/// reasoning, arithmetic and code so the answers resemble what chat benchmarks ask for.
+const TEMPLATES: [&str; 10] = [
+    "Continue this text in the same style:\n\n{}",
+    "Explain the following passage in simple terms:\n\n{}",
+    "Write a short story inspired by this passage:\n\n{}",
+    "Summarize the main point of this passage and say why it matters:\n\n{}",
+    "What questions would a curious reader ask about this passage? Answer two of them.\n\n{}",
+    "Rewrite this passage as a friendly email to a colleague:\n\n{}",
+    "List three facts or ideas from this passage, then comment on each:\n\n{}",
+    "Give practical advice to someone in the situation described here:\n\n{}",
+    "Make up a simple arithmetic word problem based on this passage and solve it step by step:\n\n{}",
+    "Write a short Python function related to this passage and explain how it works:\n\n{}",
+];
+
+/// Corpus lines as readable text: Brown's quote marks and the spaces its tokenization puts before punctuation
+/// removed.
+fn readable(line: &str) -> String {
+    let mut s = line.replace("``", "\"").replace("''", "\"");
+    for p in [" .", " ,", " ;", " :", " ?", " !", " 's", " n't"] {
+        s = s.replace(p, &p[1..]);
+    }
+    s
+}
+
+/// `count` chat prompts from the corpus: passages of three consecutive lines, drawn in a seeded order, each
+/// wrapped in one of the templates.
+pub fn prompts(lines: &[String], count: usize, seed: u64) -> Result<Vec<String>> {
+    let passages: Vec<String> = lines.chunks(3).map(|c| c.iter().map(|l| readable(l)).collect::<Vec<_>>().join(" ")).collect();
+    let passages: Vec<String> = passages.into_iter().filter(|p| p.split_whitespace().count() >= 8).collect();
+    if passages.is_empty() {
+        bail!("the corpus holds no passage of 8 words or more");
+    }
+    let mut order: Vec<usize> = (0..passages.len()).collect();
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.random_range(0..=i));
+    }
+    Ok((0..count).map(|i| TEMPLATES[i % TEMPLATES.len()].replace("{}", &passages[order[i % order.len()]])).collect())
+}
+
+/// One conversation of the teacher data.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conversation {
+    pub tokens: Vec<u32>,
+    /// Tokens of the prompt; the rest is the target's answer.
+    pub prompt_len: usize,
+    /// Post-norm target features of every token but the last, `[tokens.len() - 1, hidden]`, f16-rounded.
+    pub features: Vec<f32>,
+}
+
+/// Let the target answer every prompt greedily, keeping its features.
+pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
+    let tok = &target.tokenizer;
+    let mut out = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let prompt = tok.chat_prompt(&[Message::new("user", p)])?;
+        let c = crate::decode::greedy_continuation(&target.model, &tok.stop_ids, &prompt, max_new_tokens, &[])?;
+        let features = c.features.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+        let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features };
+        on_done(&conv);
+        out.push(conv);
+    }
+    Ok(out)
+}
+
+/// Save conversations as one safetensors file (tokens, offsets, prompt lengths, f16 features).
+pub fn save_teacher(path: &Path, convs: &[Conversation], hidden: usize) -> Result<()> {
+    let mut tokens = Vec::new();
+    let mut offsets = vec![0i64];
+    let mut features = Vec::new();
+    for c in convs {
+        tokens.extend(c.tokens.iter().map(|&t| t as i64));
+        offsets.push(tokens.len() as i64);
+        features.extend(c.features.iter().map(|&x| half::f16::from_f32(x)));
+    }
+    let prompt_lens: Vec<i64> = convs.iter().map(|c| c.prompt_len as i64).collect();
+    let dev = Device::Cpu;
+    let rows = features.len() / hidden;
+    let tensors = [
+        ("tokens", Tensor::from_vec(tokens.clone(), tokens.len(), &dev)?),
+        ("offsets", Tensor::from_vec(offsets.clone(), offsets.len(), &dev)?),
+        ("prompt_lens", Tensor::from_vec(prompt_lens, convs.len(), &dev)?),
+        ("features", Tensor::from_vec(features, (rows, hidden), &dev)?),
+    ];
+    let tmp = path.with_extension("partial");
+    candle_core::safetensors::save(&tensors.iter().map(|(k, v)| (k.to_string(), v.clone())).collect::<HashMap<_, _>>(), &tmp)?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
+    let t = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let get = |k: &str| t.get(k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()));
+    let tokens = get("tokens")?.to_vec1::<i64>()?;
+    let offsets = get("offsets")?.to_vec1::<i64>()?;
+    let prompt_lens = get("prompt_lens")?.to_vec1::<i64>()?;
+    let features = get("features")?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = Vec::new();
+    let mut row = 0;
+    for (i, w) in offsets.windows(2).enumerate() {
+        let (a, b) = (w[0] as usize, w[1] as usize);
+        let n = b - a;
+        out.push(Conversation {
+            tokens: tokens[a..b].iter().map(|&t| t as u32).collect(),
+            prompt_len: prompt_lens[i] as usize,
+            features: features[row * hidden..(row + n - 1) * hidden].to_vec(),
+        });
+        row += n - 1;
+    }
+    Ok(out)
+}
+
+/// The head's trainable tensors, in yuhuili's key names.
+pub const KEYS: [&str; 9] = [
+    "fc.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+];
+
+/// Shapes the target implies for the head.
+struct Dims {
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    intermediate: usize,
+    rms_eps: f64,
+    rope_theta: f64,
+}
+
+impl Dims {
+    fn of(model: &Model) -> Dims {
+        let c = &model.config;
+        Dims {
+            hidden: c.hidden,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            intermediate: c.intermediate,
+            rms_eps: c.rms_eps as f64,
+            rope_theta: c.rope_theta as f64,
+        }
+    }
+
+    fn shape(&self, key: &str) -> Vec<usize> {
+        let (h, q, kv, i) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate);
+        match key {
+            "fc.weight" => vec![h, 2 * h],
+            "layers.0.self_attn.q_proj.weight" => vec![q, h],
+            "layers.0.self_attn.k_proj.weight" | "layers.0.self_attn.v_proj.weight" => vec![kv, h],
+            "layers.0.self_attn.o_proj.weight" => vec![h, q],
+            "layers.0.post_attention_layernorm.weight" => vec![h],
+            "layers.0.mlp.gate_proj.weight" | "layers.0.mlp.up_proj.weight" => vec![i, h],
+            "layers.0.mlp.down_proj.weight" => vec![h, i],
+            _ => unreachable!("a head key"),
+        }
+    }
+}
+
+/// Initial weights: fc passes the feature half through (identity) and mixes in the embedding lightly; the layer
+/// starts small (N(0, 0.02), output projections scaled down) so the head first predicts f_{i+1} ≈ f_i.
+fn initial(d: &Dims, seed: u64) -> Result<Vec<Tensor>> {
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    let mut normal = |n: usize, std: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                // Box-Muller from two uniforms.
+                let (u1, u2): (f32, f32) = (rng.random_range(f32::EPSILON..1.0), rng.random_range(0.0..1.0));
+                std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+            })
+            .collect()
+    };
+    let mut out = Vec::new();
+    for key in KEYS {
+        let shape = d.shape(key);
+        let n: usize = shape.iter().product();
+        let values = match key {
+            "fc.weight" => {
+                let h = d.hidden;
+                let mut w = normal(n, 0.02);
+                for r in 0..h {
+                    w[r * 2 * h + h..r * 2 * h + 2 * h].iter_mut().for_each(|x| *x *= 0.1);
+                    w[r * 2 * h + h + r] += 1.0;
+                }
+                w
+            }
+            "layers.0.post_attention_layernorm.weight" => vec![1.0; n],
+            "layers.0.self_attn.o_proj.weight" | "layers.0.mlp.down_proj.weight" => normal(n, 0.002),
+            _ => normal(n, 0.02),
+        };
+        out.push(Tensor::from_vec(values, shape, &Device::Cpu)?);
+    }
+    Ok(out)
+}
+
+/// The frozen pieces of the target the head trains against.
+struct Frozen {
+    embedding: Tensor,
+    /// The full LM head, for the teacher distribution.
+    lm_head: Tensor,
+    /// The rows the head may propose (all, or the keep set's).
+    kept_rows: Option<Tensor>,
+}
+
+fn dequantized(m: &crate::tensor::Matrix) -> Result<Tensor> {
+    let mut values = vec![0.0f32; m.rows * m.cols];
+    for (r, row) in values.chunks_exact_mut(m.cols).enumerate() {
+        m.row_into(r, row);
+    }
+    Ok(Tensor::from_vec(values, (m.rows, m.cols), &Device::Cpu)?)
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
+}
+
+fn softmax(x: &Tensor) -> Result<Tensor> {
+    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+fn log_softmax(x: &Tensor) -> Result<Tensor> {
+    let shifted = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?;
+    Ok(shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)?)
+}
+
+/// HF's rotate-half RoPE on `x` `[heads, n, d]` at positions 0..n.
+fn rope(x: &Tensor, theta: f64) -> Result<Tensor> {
+    let (_, n, d) = x.dims3()?;
+    let half = d / 2;
+    let inv: Vec<f32> = (0..half).map(|j| theta.powf(-(2.0 * j as f64) / d as f64) as f32).collect();
+    let angles: Vec<f32> = (0..n).flat_map(|p| inv.iter().map(move |f| p as f32 * f)).collect();
+    let a = Tensor::from_vec(angles, (n, half), x.device())?;
+    let (cos, sin) = (Tensor::cat(&[&a.cos()?, &a.cos()?], 1)?, Tensor::cat(&[&a.sin()?, &a.sin()?], 1)?);
+    let rotated = Tensor::cat(&[&x.narrow(2, half, half)?.neg()?, &x.narrow(2, 0, half)?], 2)?;
+    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+}
+
+/// The head's layer outputs for packed pairs `x` `[rows, 2H]` (embedding, feature) made of sequences of `lens`.
+fn forward(d: &Dims, w: &[Tensor], pairs: &Tensor, lens: &[usize]) -> Result<Tensor> {
+    let [fc, q, k, v, o, norm, gate, up, down] = w else { unreachable!("nine tensors") };
+    let h = pairs.matmul(&fc.t()?)?;
+    let (qs, ks, vs) = (h.matmul(&q.t()?)?, h.matmul(&k.t()?)?, h.matmul(&v.t()?)?);
+    let group = d.heads / d.kv_heads;
+    let mut outs = Vec::with_capacity(lens.len());
+    let mut start = 0;
+    for &n in lens {
+        let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
+        let qh = rope(&heads(&qs, d.heads)?, d.rope_theta)?;
+        let expand = |t: Tensor| -> Result<Tensor> {
+            Ok(t.unsqueeze(1)?.broadcast_as((d.kv_heads, group, n, d.head_dim))?.reshape((d.heads, n, d.head_dim))?)
+        };
+        let kh = expand(rope(&heads(&ks, d.kv_heads)?, d.rope_theta)?)?;
+        let vh = expand(heads(&vs, d.kv_heads)?)?;
+        let mask: Vec<f32> = (0..n).flat_map(|i| (0..n).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+        let mask = Tensor::from_vec(mask, (n, n), pairs.device())?;
+        let scores = (qh.matmul(&kh.t()?)? / (d.head_dim as f64).sqrt())?.broadcast_add(&mask)?;
+        let attn = softmax(&scores)?.matmul(&vh)?;
+        outs.push(attn.transpose(0, 1)?.reshape((n, d.heads * d.head_dim))?);
+        start += n;
+    }
+    let attn = Tensor::cat(&outs, 0)?;
+    let h = (h + attn.matmul(&o.t()?)?)?;
+    let x = rms_norm(&h, norm, d.rms_eps)?;
+    let act = x.matmul(&gate.t()?)?.silu()?.mul(&x.matmul(&up.t()?)?)?;
+    Ok((h + act.matmul(&down.t()?)?)?)
+}
+
+/// What one optimisation step saw.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StepLog {
+    pub step: usize,
+    pub loss: f64,
+    pub regression: f64,
+    pub classification: f64,
+    /// Share of counted positions where the head's argmax equals the target's.
+    pub top1: f64,
+    pub positions: usize,
+    pub lr: f64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TrainSettings {
+    pub steps: usize,
+    pub seed: u64,
+    /// Conversations per step.
+    pub batch: usize,
+    pub lr: f64,
+    pub warmup: usize,
+    pub weight_decay: f64,
+    pub checkpoint_every: usize,
+}
+
+/// A batch: packed pairs, their sequence lengths, and which rows count with their teacher features.
+struct Batch {
+    pairs: Tensor,
+    lens: Vec<usize>,
+    counted: Tensor,
+    teacher: Tensor,
+}
+
+fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut ChaCha20Rng) -> Result<Batch> {
+    let (mut feats, mut next_tokens, mut lens, mut counted, mut teacher) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut row = 0u32;
+    for c in convs {
+        // Pairs (f_i, t_{i+1}) for i < n − 1; row i predicts f_{i+1}, known for i < n − 2, and counts when the token
+        // it drafts, t_{i+2}, belongs to the answer.
+        let pairs = c.tokens.len() - 1;
+        feats.extend(c.features.iter().map(|&x| x + noise.random_range(-0.1f32..0.1)));
+        next_tokens.extend_from_slice(&c.tokens[1..]);
+        for i in 0..pairs.saturating_sub(1) {
+            if i + 2 >= c.prompt_len {
+                counted.push(row + i as u32);
+                teacher.extend_from_slice(&c.features[(i + 1) * hidden..(i + 2) * hidden]);
+            }
+        }
+        lens.push(pairs);
+        row += pairs as u32;
+    }
+    let dev = Device::Cpu;
+    let rows = next_tokens.len();
+    let emb = frozen.embedding.index_select(&Tensor::from_vec(next_tokens, rows, &dev)?, 0)?;
+    let feats = Tensor::from_vec(feats, (rows, hidden), &dev)?;
+    let m = counted.len();
+    Ok(Batch {
+        pairs: Tensor::cat(&[&emb, &feats], 1)?,
+        lens,
+        counted: Tensor::from_vec(counted, m, &dev)?,
+        teacher: Tensor::from_vec(teacher, (m, hidden), &dev)?,
+    })
+}
+
+/// The loss of one batch and what it measured.
+fn loss(d: &Dims, w: &[Tensor], frozen: &Frozen, b: &Batch) -> Result<(Tensor, StepLog)> {
+    let out = forward(d, w, &b.pairs, &b.lens)?.index_select(&b.counted, 0)?;
+    let diff = (&out - &b.teacher)?.abs()?;
+    let small = diff.clamp(0f32, 1f32)?;
+    let regression = ((small.sqr()? * 0.5)? + (diff - small)?)?.mean_all()?;
+    let teacher_p = {
+        let p = softmax(&b.teacher.matmul(&frozen.lm_head.t()?)?)?;
+        match &frozen.kept_rows {
+            Some(rows) => {
+                let kept = p.index_select(rows, 1)?;
+                kept.broadcast_div(&kept.sum_keepdim(1)?)?
+            }
+            None => p,
+        }
+    };
+    let head = match &frozen.kept_rows {
+        Some(rows) => frozen.lm_head.index_select(rows, 0)?,
+        None => frozen.lm_head.clone(),
+    };
+    let logits = out.matmul(&head.t()?)?;
+    let classification = (teacher_p.mul(&log_softmax(&logits)?)?.sum(1)?.neg()?).mean_all()?;
+    let total = (&regression + (&classification * 0.1)?)?;
+    let agree = logits.argmax(1)?.eq(&teacher_p.argmax(1)?)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
+    let log = StepLog {
+        loss: total.to_scalar::<f32>()? as f64,
+        regression: regression.to_scalar::<f32>()? as f64,
+        classification: classification.to_scalar::<f32>()? as f64,
+        top1: agree as f64,
+        positions: b.counted.dims1()?,
+        ..StepLog::default()
+    };
+    Ok((total, log))
+}
+
+/// Weights and AdamW moments.
+pub struct State {
+    pub step: usize,
+    pub vars: Vec<Var>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl State {
+    fn fresh(init: Vec<Tensor>) -> Result<State> {
+        let m = init.iter().map(|t| t.zeros_like()).collect::<candle_core::Result<Vec<_>>>()?;
+        let vars = init.iter().map(Var::from_tensor).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(State { step: 0, vars, v: m.clone(), m })
+    }
+
+    fn tensors(&self) -> HashMap<String, Tensor> {
+        let mut out = HashMap::new();
+        for (i, key) in KEYS.iter().enumerate() {
+            out.insert(key.to_string(), self.vars[i].as_tensor().clone());
+            out.insert(format!("adam_m.{key}"), self.m[i].clone());
+            out.insert(format!("adam_v.{key}"), self.v[i].clone());
+        }
+        out
+    }
+
+    /// A checkpoint: weights, moments and the step, in one file written atomically.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let mut tensors = self.tensors();
+        tensors.insert("step".into(), Tensor::new(&[self.step as i64], &Device::Cpu)?);
+        let tmp = path.with_extension("partial");
+        candle_core::safetensors::save(&tensors, &tmp)?;
+        std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    pub fn load(path: &Path) -> Result<State> {
+        let t = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let get = |k: String| t.get(&k).cloned().ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()));
+        let step = get("step".into())?.to_vec1::<i64>()?[0] as usize;
+        let mut s = State { step, vars: Vec::new(), m: Vec::new(), v: Vec::new() };
+        for key in KEYS {
+            s.vars.push(Var::from_tensor(&get(key.to_string())?)?);
+            s.m.push(get(format!("adam_m.{key}"))?);
+            s.v.push(get(format!("adam_v.{key}"))?);
+        }
+        Ok(s)
+    }
+
+    /// An exported head (model.safetensors in `dir`) as weights, in f32.
+    pub fn from_head(dir: &Path) -> Result<State> {
+        let path = dir.join("model.safetensors");
+        let t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let init = KEYS
+            .iter()
+            .map(|k| t.get(*k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()))?.to_dtype(DType::F32).map_err(Into::into))
+            .collect::<Result<Vec<_>>>()?;
+        State::fresh(init)
+    }
+
+    /// Weights equal, bit for bit (moments included).
+    pub fn same_as(&self, other: &State) -> Result<bool> {
+        let (a, b) = (self.tensors(), other.tensors());
+        for (k, x) in &a {
+            let y = b.get(k).ok_or_else(|| anyhow!("no {k}"))?;
+            if x.flatten_all()?.to_vec1::<f32>()? != y.flatten_all()?.to_vec1::<f32>()? {
+                return Ok(false);
+            }
+        }
+        Ok(self.step == other.step)
+    }
+
+    /// One AdamW update (β = 0.9, 0.95; no decay on the norm weight) after clipping the gradient norm at 0.5.
+    fn update(&mut self, grads: &candle_core::backprop::GradStore, lr: f64, weight_decay: f64) -> Result<()> {
+        let (b1, b2, eps) = (0.9f64, 0.95f64, 1e-8);
+        let gs: Vec<Tensor> = self.vars.iter().map(|v| grads.get(v).cloned().unwrap_or_else(|| v.zeros_like().expect("zeros"))).collect();
+        let norm = gs.iter().map(|g| g.sqr()?.sum_all()?.to_scalar::<f32>().map(|x| x as f64)).sum::<candle_core::Result<f64>>()?.sqrt();
+        let scale = if norm > 0.5 { 0.5 / norm } else { 1.0 };
+        self.step += 1;
+        let t = self.step as i32;
+        for (i, g) in gs.iter().enumerate() {
+            let g = (g * scale)?;
+            self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
+            self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let m_hat = (&self.m[i] / (1.0 - b1.powi(t)))?;
+            let v_hat = (&self.v[i] / (1.0 - b2.powi(t)))?;
+            let w = self.vars[i].as_tensor();
+            let decay = if KEYS[i].ends_with("layernorm.weight") { 0.0 } else { weight_decay };
+            let next = (w - ((m_hat / (v_hat.sqrt()? + eps)?)? + (w * decay)?)? * lr)?;
+            self.vars[i].set(&next)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a checkpoint is written after `step` steps.
+fn checkpoint_due(step: usize, s: &TrainSettings) -> bool {
+    step % s.checkpoint_every == 0 || step == s.steps
+}
+
+fn learning_rate(s: &TrainSettings, step: usize) -> f64 {
+    if step < s.warmup {
+        return s.lr * (step + 1) as f64 / s.warmup as f64;
+    }
+    let progress = (step - s.warmup) as f64 / (s.steps - s.warmup).max(1) as f64;
+    s.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
+}
+
+/// The conversations step `step` trains on: a seeded permutation per epoch, `batch` at a time.
+fn step_conversations(n: usize, batch: usize, seed: u64, step: usize) -> Vec<usize> {
+    (0..batch)
+        .map(|j| {
+            let g = step * batch + j;
+            let (epoch, pos) = (g / n, g % n);
+            let mut order: Vec<usize> = (0..n).collect();
+            let mut rng = ChaCha20Rng::seed_from_u64(seed);
+            rng.set_stream(epoch as u64);
+            for i in (1..n).rev() {
+                order.swap(i, rng.random_range(0..=i));
+            }
+            order[pos]
+        })
+        .collect()
+}
+
+/// Everything a training run needs besides its folder.
+pub struct Trainer<'a> {
+    pub target: &'a Target,
+    pub data: &'a [Conversation],
+    pub keep: Option<&'a KeepSet>,
+    pub settings: TrainSettings,
+}
+
+impl Trainer<'_> {
+    fn frozen(&self) -> Result<Frozen> {
+        let m = &self.target.model;
+        let kept_rows = match self.keep {
+            Some(k) => Some(Tensor::from_vec(k.ids.clone(), k.ids.len(), &Device::Cpu)?),
+            None => None,
+        };
+        Ok(Frozen { embedding: dequantized(m.embedding())?, lm_head: dequantized(m.lm_head())?, kept_rows })
+    }
+
+    /// A fresh state (step 0).
+    pub fn start(&self) -> Result<State> {
+        State::fresh(initial(&Dims::of(&self.target.model), self.settings.seed)?)
+    }
+
+    /// Train from `state` until `until` steps (at most the settings' steps); `on_step` sees every step's log and
+    /// may checkpoint.
+    pub fn run(&self, state: &mut State, until: usize, on_step: &mut dyn FnMut(&State, &StepLog) -> Result<()>) -> Result<()> {
+        let d = Dims::of(&self.target.model);
+        let frozen = self.frozen()?;
+        let s = &self.settings;
+        while state.step < until.min(s.steps) {
+            let step = state.step;
+            let picked: Vec<&Conversation> = step_conversations(self.data.len(), s.batch, s.seed, step).into_iter().map(|i| &self.data[i]).collect();
+            let mut noise = ChaCha20Rng::seed_from_u64(s.seed ^ 0x9e37_79b9_7f4a_7c15);
+            noise.set_stream(step as u64);
+            let b = batch(&picked, &frozen, d.hidden, &mut noise)?;
+            let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let (total, mut log) = loss(&d, &w, &frozen, &b)?;
+            let grads = total.backward()?;
+            let lr = learning_rate(s, step);
+            state.update(&grads, lr, s.weight_decay)?;
+            log.step = state.step;
+            log.lr = lr;
+            on_step(state, &log)?;
+        }
+        Ok(())
+    }
+
+    /// The loss of the current weights on `convs`, without updating (for curves and tests).
+    pub fn evaluate(&self, state: &State, convs: &[&Conversation]) -> Result<StepLog> {
+        let d = Dims::of(&self.target.model);
+        let frozen = self.frozen()?;
+        let mut noise = ChaCha20Rng::seed_from_u64(0);
+        let b = batch(convs, &frozen, d.hidden, &mut noise)?;
+        let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
+        Ok(loss(&d, &w, &frozen, &b)?.1)
+    }
+}
+
+/// Write the head in the EAGLE repository's layout: config.json and model.safetensors (f16, yuhuili's keys).
+pub fn export(dir: &Path, state: &State, target: &Model) -> Result<()> {
+    let c = &target.config;
+    let mut tensors = HashMap::new();
+    for (i, key) in KEYS.iter().enumerate() {
+        tensors.insert(key.to_string(), state.vars[i].as_tensor().to_dtype(DType::F16)?);
+    }
+    let tmp = dir.join("model.safetensors.partial");
+    candle_core::safetensors::save(&tensors, &tmp)?;
+    std::fs::rename(&tmp, dir.join("model.safetensors"))?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": false, "hidden_act": "silu",
+        "hidden_size": c.hidden, "intermediate_size": c.intermediate, "num_hidden_layers": 1,
+        "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+        "vocab_size": c.vocab, "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.context_length, "torch_dtype": "float16",
+    });
+    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&config)?.as_bytes())
+}
+
+/// The head's logits (full vocabulary) at every draft position of `conv`, teacher-forced: `[tokens - 1, vocab]`.
+pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
+    let d = Dims::of(target);
+    let n = conv.tokens.len() - 1;
+    let embedding = dequantized(target.embedding())?;
+    let emb = embedding.index_select(&Tensor::from_vec(conv.tokens[1..].to_vec(), n, &Device::Cpu)?, 0)?;
+    let feats = Tensor::from_vec(conv.features.clone(), (n, d.hidden), &Device::Cpu)?;
+    let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let out = forward(&d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[n])?;
+    Ok(out.matmul(&dequantized(target.lm_head())?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+}

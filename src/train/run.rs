@@ -1,0 +1,141 @@
+//! `frspec train-eagle`: a training folder from nothing to an exported head, resumable. The folder holds run.json
+//! (what the run is), teacher.safetensors (the cached teacher data), checkpoint.safetensors, training_log.jsonl and,
+//! at the end, the head itself (config.json + model.safetensors), which the engine's EAGLE-1 loader reads.
+
+use super::{checkpoint_due, export, load_teacher, prompts, save_teacher, teacher_data, Conversation, State, StepLog, TrainSettings, Trainer};
+use crate::target::Target;
+use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+pub struct TrainOptions {
+    pub target: String,
+    pub out: PathBuf,
+    pub corpus: Vec<PathBuf>,
+    pub format: CorpusFormat,
+    /// Conversations the target generates for training.
+    pub prompts: usize,
+    pub max_new_tokens: usize,
+    pub settings: TrainSettings,
+    /// Train against a pruned vocabulary: frequencies and how many ids to keep.
+    pub freq: Option<PathBuf>,
+    pub keep: Option<KeepRule>,
+    pub quiet: bool,
+}
+
+fn bar(quiet: bool, len: usize, template: &str) -> Result<indicatif::ProgressBar> {
+    let bar = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(len as u64) };
+    bar.set_style(indicatif::ProgressStyle::with_template(template)?);
+    Ok(bar)
+}
+
+pub fn train_eagle(o: &TrainOptions) -> Result<()> {
+    let s = &o.settings;
+    if s.batch == 0 || o.prompts == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
+        bail!("--batch, --prompts, --max-new-tokens and --checkpoint-every must be at least 1");
+    }
+    if s.batch > o.prompts {
+        bail!("--batch {} is larger than --prompts {}", s.batch, o.prompts);
+    }
+    let files = crate::vocab::corpus_files(&o.corpus)?;
+    let mut lines = Vec::new();
+    for f in &files {
+        lines.extend(crate::vocab::corpus_lines(f, o.format)?);
+    }
+    if lines.is_empty() {
+        bail!("the corpus ({}) holds no text", o.corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", "));
+    }
+    let prompts = prompts(&lines, o.prompts, s.seed)?;
+    let target = Target::load(&o.target)?;
+    let keep = match (&o.keep, &o.freq) {
+        (None, None) => None,
+        (Some(rule), Some(f)) => Some(Frequencies::load(f)?.keep_set(*rule, target.model.config.vocab, &target.tokenizer.stop_ids)?),
+        _ => bail!("training against a pruned vocabulary needs both --freq and --ratio/--keep"),
+    };
+
+    let identity = serde_json::json!({
+        "target": o.target,
+        "target_sha256": crate::manifest::sha256(&target.source)?,
+        "corpus": files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
+        "prompts": o.prompts,
+        "max_new_tokens": o.max_new_tokens,
+        "settings": s,
+        "keep": o.keep.map(|k| format!("{k:?}")),
+        "freq": o.freq.as_ref().map(|f| f.display().to_string()),
+    });
+    let run_json = o.out.join("run.json");
+    if o.out.exists() && std::fs::read_dir(&o.out)?.next().is_some() {
+        let text = std::fs::read_to_string(&run_json)
+            .map_err(|_| anyhow!("{} exists and does not hold a frspec training run: choose another --out", o.out.display()))?;
+        let theirs: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", run_json.display()))?;
+        if theirs != identity {
+            let differ: Vec<&String> = identity.as_object().into_iter().flatten().filter(|(k, v)| theirs.get(*k) != Some(*v)).map(|(k, _)| k).collect();
+            bail!("{} holds another training run (differs in: {}): choose another --out", o.out.display(), differ.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "));
+        }
+    }
+    std::fs::create_dir_all(&o.out).with_context(|| format!("cannot create {}", o.out.display()))?;
+    crate::store::write_atomic(&run_json, serde_json::to_string_pretty(&identity)?.as_bytes())?;
+
+    if s.steps == 0 {
+        let trainer = Trainer { target: &target, data: &[], keep: keep.as_ref(), settings: s.clone() };
+        export(&o.out, &trainer.start()?, &target.model)?;
+        eprintln!("untrained (initial) head written to {}", o.out.display());
+        return Ok(());
+    }
+    let hidden = target.model.config.hidden;
+    let teacher_path = o.out.join("teacher.safetensors");
+    let data: Vec<Conversation> = if teacher_path.exists() {
+        load_teacher(&teacher_path, hidden)?
+    } else {
+        let b = bar(o.quiet, prompts.len(), "teacher data {bar:30} {pos}/{len} conversations, {msg} tokens, ETA {eta}")?;
+        let mut tokens = 0;
+        let data = teacher_data(&target, &prompts, o.max_new_tokens, &mut |c| {
+            tokens += c.tokens.len();
+            b.set_message(tokens.to_string());
+            b.inc(1);
+        })?;
+        b.finish();
+        save_teacher(&teacher_path, &data, hidden)?;
+        data
+    };
+
+    let trainer = Trainer { target: &target, data: &data, keep: keep.as_ref(), settings: s.clone() };
+    let checkpoint_path = o.out.join("checkpoint.safetensors");
+    let mut state = if checkpoint_path.exists() { State::load(&checkpoint_path)? } else { trainer.start()? };
+    let log_path = o.out.join("training_log.jsonl");
+    // Lines past the checkpoint were written by an interrupted run; the resumed one writes them again.
+    let kept_lines: Vec<String> = std::fs::read_to_string(&log_path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| serde_json::from_str::<StepLog>(l).is_ok_and(|x| x.step <= state.step))
+        .map(String::from)
+        .collect();
+    let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot write {}", log_path.display()))?;
+    for l in &kept_lines {
+        writeln!(log, "{l}")?;
+    }
+    let b = bar(o.quiet, s.steps, "training {bar:30} {pos}/{len} steps, {msg}, ETA {eta}")?;
+    b.set_position(state.step as u64);
+    let started = Instant::now();
+    let mut positions = 0usize;
+    trainer.run(&mut state, s.steps, &mut |st, l| {
+        writeln!(log, "{}", serde_json::to_string(l)?)?;
+        positions += l.positions;
+        b.set_message(format!("loss {:.4}, top-1 {:.1}%, {:.0} positions/s", l.loss, 100.0 * l.top1, positions as f64 / started.elapsed().as_secs_f64()));
+        b.inc(1);
+        if checkpoint_due(st.step, s) {
+            st.save(&checkpoint_path)?;
+        }
+        Ok(())
+    })?;
+    b.finish();
+    drop(log);
+    export(&o.out, &state, &target.model)?;
+    let entries: Vec<StepLog> = std::fs::read_to_string(&log_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let title = format!("EAGLE-1 head for {} · {} conversations · {} steps × {} conversations", o.target, data.len(), s.steps, s.batch);
+    crate::plot::training_curve(&o.out.join("training_curve"), &entries, &title)?;
+    eprintln!("head written to {} ({} steps, {:.0} s this run)", o.out.display(), state.step, started.elapsed().as_secs_f64());
+    Ok(())
+}
