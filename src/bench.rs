@@ -245,3 +245,111 @@ pub fn fast_path<'a>(
         counts_agree: independent == fast,
     })
 }
+
+/// One point of the LM-head benchmark: draft logits `[B, H] × [H, V′]`.
+#[derive(Clone, Debug, Serialize)]
+pub struct HeadPoint {
+    pub ratio: f64,
+    pub kept: usize,
+    pub batch: usize,
+    pub dtype: String,
+    pub median_secs: f64,
+    /// Weights + activations + logits, each moved once.
+    pub bytes: f64,
+    /// 2 · B · H · V′.
+    pub flops: f64,
+    pub bytes_per_sec: f64,
+    pub flops_per_sec: f64,
+    /// FLOPs per byte.
+    pub intensity: f64,
+    /// Achieved FLOP/s ÷ what the roofline allows at this intensity: min(peak FLOP/s, intensity × bandwidth).
+    pub roofline_share: f64,
+}
+
+/// The machine's ceilings as measured here: read bandwidth of a 1 GiB buffer on every thread, and the best FLOP/s
+/// of a large dense f32 matrix product (candle's gemm), which is what this CPU's cores can sustain.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Roofline {
+    pub bytes_per_sec: f64,
+    pub flops_per_sec: f64,
+}
+
+pub fn roofline() -> Result<Roofline> {
+    use rayon::prelude::*;
+    let buffer = vec![1.0f32; 1 << 28];
+    let read: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            // Sixteen independent sums per chunk, so the adds vectorise and memory, not the add chain, is the limit.
+            let lanes = |c: &[f32]| c.chunks_exact(16).fold([0.0f32; 16], |mut acc, x| {
+                acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+                acc
+            });
+            let sum: f32 = crate::tensor::pool().install(|| buffer.par_chunks(1 << 16).map(|c| lanes(c).iter().sum::<f32>()).sum());
+            std::hint::black_box(sum);
+            (buffer.len() * 4) as f64 / t.elapsed().as_secs_f64()
+        })
+        .collect();
+    let n = 1024;
+    let a = candle_core::Tensor::ones((n, n), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    let flops: Vec<f64> = (0..5)
+        .map(|_| -> Result<f64> {
+            let t = Instant::now();
+            std::hint::black_box(a.matmul(&a)?);
+            Ok(2.0 * (n * n * n) as f64 / t.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_>>()?;
+    Ok(Roofline { bytes_per_sec: median(&read), flops_per_sec: flops.iter().cloned().fold(0.0, f64::max) })
+}
+
+/// Median time of the draft logits for every keep size (`ratios` of `vocab`) and batch size, on frspec's own
+/// kernel with weights in `dtype` (f32 or f16) and f32 activations. Values do not change the time, so the
+/// weights are a fixed pattern.
+pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], dtype: &str, roof: Roofline) -> Result<Vec<HeadPoint>> {
+    use crate::tensor::{Matrix, MatmulScratch, Storage};
+    let pattern = |i: usize| ((i % 17) as f32 - 8.0) * 0.01;
+    let mut points = Vec::new();
+    for &ratio in ratios {
+        let kept = crate::vocab::kept_for_ratio(ratio, vocab);
+        let n = kept * hidden;
+        let storage = match dtype {
+            "f32" => Storage::F32((0..n).map(pattern).collect()),
+            "f16" => Storage::F16((0..n).map(|i| half::f16::from_f32(pattern(i))).collect()),
+            other => anyhow::bail!("--dtype {other}: the CPU head benchmark runs f32 or f16 weights"),
+        };
+        let w = Matrix { rows: kept, cols: hidden, storage };
+        let mut scratch = MatmulScratch::default();
+        for &b in batches {
+            let x: Vec<f32> = (0..b * hidden).map(pattern).collect();
+            let mut out = vec![0.0f32; b * kept];
+            w.matmul(&x, &mut out, &mut scratch);
+            // At least 3 runs, more while they take under a second in all.
+            let mut times = Vec::new();
+            let start = Instant::now();
+            while times.len() < 3 || (times.len() < 21 && start.elapsed().as_secs_f64() < 1.0) {
+                let t = Instant::now();
+                w.matmul(&x, &mut out, &mut scratch);
+                times.push(t.elapsed().as_secs_f64());
+            }
+            let secs = median(&times);
+            let bytes = (w.bytes() + 4 * b * hidden + 4 * b * kept) as f64;
+            let flops = 2.0 * (b * hidden * kept) as f64;
+            let intensity = flops / bytes;
+            let attainable = roof.flops_per_sec.min(intensity * roof.bytes_per_sec);
+            points.push(HeadPoint {
+                ratio,
+                kept,
+                batch: b,
+                dtype: dtype.into(),
+                median_secs: secs,
+                bytes,
+                flops,
+                bytes_per_sec: bytes / secs,
+                flops_per_sec: flops / secs,
+                intensity,
+                roofline_share: flops / secs / attainable,
+            });
+        }
+    }
+    Ok(points)
+}

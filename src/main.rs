@@ -328,6 +328,26 @@ enum BenchCommand {
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
     },
+    /// LM-head latency [B, H] × [H, V′] against batch and kept vocabulary, with bytes/s, FLOP/s and roofline share.
+    Head {
+        #[arg(long, default_value_t = 4096)]
+        hidden: usize,
+        #[arg(long, default_value_t = 128_256)]
+        vocab: usize,
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256,1024")]
+        batch: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.75,0.9,0.99")]
+        ratios: Vec<f64>,
+        /// Weight dtype (activations are f32).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Compute device. This build benchmarks the CPU only.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Folder for head.parquet and the latency plot (head_latency.png / .svg).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Draft LM-head time and draft-step time against the pruning ratio: full vs slice vs mask heads.
     Draft {
         #[command(flatten)]
@@ -552,6 +572,40 @@ fn run(cli: Cli) -> Result<()> {
                 println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
             }
         }
+        Command::Bench(BenchCommand::Head { hidden, vocab, batch, ratios, dtype, device, out }) => {
+            if device != "cpu" {
+                bail!("--device {device}: this build benchmarks the CPU only (use --device cpu)");
+            }
+            if hidden == 0 || vocab == 0 || batch.is_empty() || batch.contains(&0) {
+                bail!("--hidden, --vocab and every --batch must be at least 1");
+            }
+            if hidden % 32 != 0 {
+                bail!("--hidden must be a multiple of 32 (the kernels' block size), got {hidden}");
+            }
+            for r in &ratios {
+                KeepRule::Ratio(*r).validate()?;
+            }
+            let roof = frspec::bench::roofline()?;
+            let points = frspec::bench::head(hidden, vocab, &batch, &ratios, &dtype, roof)?;
+            println!(
+                "H = {hidden}, V = {vocab}, {dtype} weights; roofline here: {:.1} GB/s read, {:.1} GFLOP/s (f32 gemm)",
+                roof.bytes_per_sec / 1e9,
+                roof.flops_per_sec / 1e9
+            );
+            println!("{:>6} {:>8} {:>6} {:>12} {:>10} {:>10} {:>10} {:>9}", "ratio", "kept", "batch", "median ms", "GB/s", "GFLOP/s", "FLOP/B", "roofline");
+            for p in &points {
+                println!(
+                    "{:>6} {:>8} {:>6} {:>12.4} {:>10.2} {:>10.2} {:>10.2} {:>8.1}%",
+                    p.ratio, p.kept, p.batch, 1e3 * p.median_secs, p.bytes_per_sec / 1e9, p.flops_per_sec / 1e9, p.intensity, 100.0 * p.roofline_share
+                );
+            }
+            if let Some(dir) = out {
+                std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+                frspec::store::write_head_bench(&dir.join("head.parquet"), &points)?;
+                let title = format!("H = {hidden}, V = {vocab}, {dtype} weights, {} threads, frspec kernel", frspec::tensor::pool().current_num_threads());
+                frspec::plot::head_latency(&dir.join("head_latency"), &points, &title)?;
+            }
+        }
         Command::Bench(BenchCommand::Draft { model, draft, draft_kind, freq, ratios, k, reps, json }) => {
             if k == 0 || reps == 0 {
                 bail!("--k and --reps must be at least 1");
@@ -640,7 +694,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("{:>7} {:>8} {:>10}", "ratio", "kept", "coverage");
             for r in ratios {
                 KeepRule::Ratio(r).validate()?;
-                let kept = ((1.0 - r) * vocab as f64).ceil() as usize;
+                let kept = frspec::vocab::kept_for_ratio(r, vocab);
                 let cov = f.coverage(kept).ok_or_else(|| anyhow::anyhow!("{} has no counts", file.display()))?;
                 println!("{r:>7} {kept:>8} {:>9.2}%", 100.0 * cov);
             }

@@ -316,6 +316,72 @@ pub fn training_curve(stem: &Path, log: &[crate::train::StepLog], title: &str) -
     write_both(stem, &TrainingCurve { log, title }).map(|_| ())
 }
 
+struct HeadLatency<'a> {
+    points: &'a [crate::bench::HeadPoint],
+    title: &'a str,
+}
+
+impl Figure for HeadLatency<'_> {
+    fn draw<DB: DrawingBackend>(&self, area: DrawingArea<DB, Shift>) -> Result<()>
+    where
+        DB::ErrorType: 'static,
+    {
+        let body = page(area, self.title)?;
+        let ms: Vec<f64> = self.points.iter().map(|p| 1e3 * p.median_secs).collect();
+        let (lo, hi) = (ms.iter().cloned().fold(f64::MAX, f64::min), ms.iter().cloned().fold(0.0, f64::max));
+        let max_batch = self.points.iter().map(|p| p.batch).max().unwrap_or(1) as f64;
+        let mut chart = ChartBuilder::on(&body)
+            .caption("Draft LM-head latency [B, H] × [H, V′] (median)", ("sans-serif", 20))
+            .margin(14)
+            .x_label_area_size(48)
+            .y_label_area_size(72)
+            .build_cartesian_2d((0.8f64..max_batch * 1.25).log_scale(), (lo * 0.8..hi * 1.25).log_scale())
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("batch B (rows of hidden states)")
+            .y_desc("milliseconds")
+            .light_line_style(WHITE)
+            .x_label_formatter(&|v| format!("{}", v.round()))
+            .y_label_formatter(&|v| {
+                let digits = (-(v.abs().log10().floor()) as i32).max(0) as usize;
+                format!("{v:.digits$}")
+            })
+            .axis_desc_style(("sans-serif", 16))
+            .label_style(("sans-serif", 14))
+            .draw()
+            .map_err(err)?;
+        let mut kept: Vec<usize> = self.points.iter().map(|p| p.kept).collect();
+        kept.dedup();
+        for (i, k) in kept.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let line: Vec<(f64, f64)> = self.points.iter().filter(|p| p.kept == *k).map(|p| (p.batch as f64, 1e3 * p.median_secs)).collect();
+            let ratio = self.points.iter().find(|p| p.kept == *k).map_or(0.0, |p| p.ratio);
+            chart
+                .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))
+                .map_err(err)?
+                .label(format!("V′ = {k} (ratio {ratio})"))
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+            chart.draw_series(line.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(err)?;
+        Ok(())
+    }
+}
+
+/// The head benchmark's latency against batch, one line per keep size, as `{stem}.png` and `{stem}.svg`.
+pub fn head_latency(stem: &Path, points: &[crate::bench::HeadPoint], title: &str) -> Result<()> {
+    font_once()?;
+    write_both(stem, &HeadLatency { points, title }).map(|_| ())
+}
+
 pub const CHARTS: [&str; 5] = ["acceptance_length", "acceptance_rate", "per_position", "paired_difference", "draft_time"];
 
 /// Write every chart as PNG and SVG into `dir`; returns the files written.

@@ -247,3 +247,24 @@ pub fn read_timing_summary(path: &Path) -> Result<Vec<CellTiming>> {
         })
         .collect())
 }
+
+/// The LM-head benchmark's points.
+pub fn write_head_bench(path: &Path, points: &[crate::bench::HeadPoint]) -> Result<()> {
+    let f64s = |f: fn(&crate::bench::HeadPoint) -> f64| points.iter().map(f).collect::<Vec<f64>>();
+    write_frame(
+        path,
+        vec![
+            col("ratio", f64s(|p| p.ratio)),
+            col("kept", points.iter().map(|p| p.kept as u64).collect::<Vec<u64>>()),
+            col("batch", points.iter().map(|p| p.batch as u64).collect::<Vec<u64>>()),
+            col("dtype", points.iter().map(|p| p.dtype.clone()).collect::<Vec<String>>()),
+            col("median_secs", f64s(|p| p.median_secs)),
+            col("bytes", f64s(|p| p.bytes)),
+            col("flops", f64s(|p| p.flops)),
+            col("bytes_per_sec", f64s(|p| p.bytes_per_sec)),
+            col("flops_per_sec", f64s(|p| p.flops_per_sec)),
+            col("intensity", f64s(|p| p.intensity)),
+            col("roofline_share", f64s(|p| p.roofline_share)),
+        ],
+    )
+}

@@ -47,6 +47,12 @@ impl KeepRule {
     }
 }
 
+/// Ids kept at pruning ratio `r`: ⌈(1 − r)·V⌉ computed in f64, as vLLM computes it in Python (so 0.99 of 1000
+/// keeps 11: 1 − 0.99 is 0.010000000000000009).
+pub fn kept_for_ratio(r: f64, vocab: usize) -> usize {
+    ((1.0 - r) * vocab as f64).ceil() as usize
+}
+
 /// The ids a pruned draft head keeps, sorted ascending (so sliced and masked heads visit them in the same order).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeepSet {
@@ -130,7 +136,7 @@ impl Frequencies {
             }
         }
         let k = match rule {
-            KeepRule::Ratio(r) => ((1.0 - r) * vocab as f64).ceil() as usize,
+            KeepRule::Ratio(r) => kept_for_ratio(r, vocab),
             KeepRule::Keep(k) => k,
             KeepRule::Mass(m) => {
                 let counts = self.counts.as_ref().ok_or_else(|| anyhow!("{src} has no counts: use a ratio or --keep"))?;

@@ -31,6 +31,12 @@ fn bar(quiet: bool, len: usize, template: &str) -> Result<indicatif::ProgressBar
     Ok(bar)
 }
 
+/// Without a terminal (or with --quiet) progress comes as plain lines, now and then.
+fn plain(quiet: bool) -> bool {
+    use std::io::IsTerminal;
+    quiet || !std::io::stderr().is_terminal()
+}
+
 pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     let s = &o.settings;
     if s.batch == 0 || o.prompts == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
@@ -91,10 +97,15 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     } else {
         let b = bar(o.quiet, prompts.len(), "teacher data {bar:30} {pos}/{len} conversations, {msg} tokens, ETA {eta}")?;
         let mut tokens = 0;
+        let (started, mut done) = (Instant::now(), 0);
         let data = teacher_data(&target, &prompts, o.max_new_tokens, &mut |c| {
             tokens += c.tokens.len();
+            done += 1;
             b.set_message(tokens.to_string());
             b.inc(1);
+            if plain(o.quiet) && done % 50 == 0 {
+                eprintln!("teacher data: {done}/{} conversations, {tokens} tokens, {:.0} s", prompts.len(), started.elapsed().as_secs_f64());
+            }
         })?;
         b.finish();
         save_teacher(&teacher_path, &data, hidden)?;
@@ -127,6 +138,9 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         b.inc(1);
         if checkpoint_due(st.step, s) {
             st.save(&checkpoint_path)?;
+            if plain(o.quiet) {
+                eprintln!("step {}/{}: loss {:.4}, top-1 {:.1}%, {:.0} s", st.step, s.steps, l.loss, 100.0 * l.top1, started.elapsed().as_secs_f64());
+            }
         }
         Ok(())
     })?;
