@@ -9,7 +9,7 @@ frspec=${1:-$(scripts/frspec-bin.sh)}
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$work/untrained" --steps 0 --quiet
+"$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$work/untrained-head" --steps 0 --quiet
 common=(--model smollm2 --dataset mt-bench --num-prompts 80 --temperatures 0 --repeats 1 --k 4 --max-new-tokens 128
         --turns 1 --freq brown-smollm2 --quiet)
 run() {
@@ -20,5 +20,5 @@ run() {
   "$frspec" report "$work/$name" --out "results/train/eval/$name/report.md"
 }
 run trained --draft heads/smollm2-135m-eagle1 --draft-kind eagle --ratios 0,0.5,0.75,0.9
-run untrained --draft "$work/untrained" --draft-kind eagle --ratios 0
+run untrained --draft "$work/untrained-head" --draft-kind eagle --ratios 0
 run truncated16 --draft-kind truncated:16 --ratios 0

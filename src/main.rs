@@ -227,6 +227,12 @@ enum Command {
         checkpoint_every: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Train on true features only (no second pass fed the head's own predicted features).
+        #[arg(long)]
+        no_rollout: bool,
+        /// Reuse the teacher data of another training folder made from the same target, corpus, prompts and seed.
+        #[arg(long)]
+        teacher_from: Option<PathBuf>,
         /// Train against a pruned vocabulary ranked by these frequencies (with --ratio or --keep).
         #[arg(long)]
         freq: Option<PathBuf>,
@@ -500,7 +506,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, no_rollout, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -509,8 +515,9 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(rule) = keep {
                 rule.validate()?;
             }
-            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every };
-            frspec::train::train_eagle(&frspec::train::TrainOptions { target, out, corpus, format, prompts, max_new_tokens, settings, freq, keep, quiet })?;
+            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout: !no_rollout };
+            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, max_new_tokens, settings, teacher_from, freq, keep, quiet };
+            frspec::train::train_eagle(&options)?;
         }
         Command::Plot { dir } => {
             let result = frspec::check::SweepResult::load(&dir)?;

@@ -301,7 +301,11 @@ impl Figure for TrainingCurve<'_> {
             Series { name: "smooth-L1 (features)".into(), points: smoothed(self.log, 25, |l| l.regression) },
             Series { name: "0.1 × cross-entropy (tokens)".into(), points: smoothed(self.log, 25, |l| 0.1 * l.classification) },
         ];
-        let top1 = [Series { name: "head argmax = target argmax".into(), points: smoothed(self.log, 25, |l| 100.0 * l.top1) }];
+        let mut top1 = vec![Series { name: "head argmax = target argmax (true features)".into(), points: smoothed(self.log, 25, |l| 100.0 * l.top1) }];
+        if self.log.iter().all(|l| l.rollout_top1.is_some()) {
+            let own = |l: &crate::train::StepLog| 100.0 * l.rollout_top1.unwrap_or(0.0);
+            top1.push(Series { name: "… fed its own predicted features".into(), points: smoothed(self.log, 25, own) });
+        }
         let body = page(area, self.title)?;
         let (left, right) = body.split_horizontally(SIZE.0 / 2);
         let panel = |t, y| Panel { x_from_zero: false, ..Panel::against_ratio(t, "optimisation step", y) };

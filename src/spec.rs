@@ -137,17 +137,18 @@ fn to_object(spec: &SweepSpec) -> serde_json::Map<String, serde_json::Value> {
 
 pub const PRESETS: [&str; 2] = ["smollm2-eagle", "llama31-eagle"];
 
-/// The draft the default preset uses until a trained SmolLM2 EAGLE head ships: the target's first 16 layers.
-const SMOLLM2_STAND_IN_DRAFT: &str = "truncated:16";
+/// The EAGLE-1 head this repository ships for SmolLM2-135M-Instruct (scripts/train-smollm2-head.sh).
+pub const SMOLLM2_HEAD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/heads/smollm2-135m-eagle1");
 
 pub fn preset(name: &str) -> Result<SweepSpec> {
     let ratios = Some(vec![0.0, 0.25, 0.5, 0.75, 0.9, 0.99]);
     Ok(match name {
-        // Everything offline: the assets of scripts/fetch-assets.sh and scripts/build-freq.sh. 20 prompts keep a
-        // CPU run near a quarter of an hour.
+        // Everything offline: the assets of scripts/fetch-assets.sh and scripts/build-freq.sh, and the shipped head.
+        // 20 prompts keep a CPU run near ten minutes.
         "smollm2-eagle" => SweepSpec {
             model: Some("smollm2".into()),
-            draft_kind: Some(SMOLLM2_STAND_IN_DRAFT.into()),
+            draft: Some(SMOLLM2_HEAD.into()),
+            draft_kind: Some("eagle".into()),
             freq: Some("brown-smollm2".into()),
             dataset: Some("mt-bench".into()),
             num_prompts: Some(20),
@@ -267,7 +268,7 @@ mod tests {
         let s = resolve(Some(&file), None, &flags).unwrap();
         assert_eq!((s.repeats, s.k, s.pruning.clone()), (5, 2, Pruning::Ratios(vec![0.0, 0.5])));
         assert_eq!((s.preset.as_deref(), s.model.as_str(), s.dataset.as_str()), (Some("smollm2-eagle"), "smollm2", "mt-bench"));
-        assert_eq!(s.draft_kind, SMOLLM2_STAND_IN_DRAFT.parse().unwrap());
+        assert_eq!((s.draft_kind, s.draft.as_deref()), (DraftKind::Eagle, Some(SMOLLM2_HEAD)));
     }
 
     #[test]

@@ -12,7 +12,7 @@ fn corpus() -> Vec<String> {
 }
 
 fn settings(steps: usize) -> TrainSettings {
-    TrainSettings { steps, seed: 5, batch: 2, lr: 3e-3, warmup: 4, weight_decay: 0.0, checkpoint_every: 10 }
+    TrainSettings { steps, seed: 5, batch: 2, lr: 3e-3, warmup: 4, weight_decay: 0.0, checkpoint_every: 10, rollout: true }
 }
 
 fn setup() -> (tempfile::TempDir, Target, Vec<Conversation>) {

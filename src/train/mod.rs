@@ -311,6 +311,9 @@ pub struct StepLog {
     pub classification: f64,
     /// Share of counted positions where the head's argmax equals the target's.
     pub top1: f64,
+    /// The same when fed its own predicted features (the rollout pass), if trained with it.
+    #[serde(default)]
+    pub rollout_top1: Option<f64>,
     pub positions: usize,
     pub lr: f64,
 }
@@ -325,11 +328,16 @@ pub struct TrainSettings {
     pub warmup: usize,
     pub weight_decay: f64,
     pub checkpoint_every: usize,
+    /// Also train on the head's own predicted features (see `loss`).
+    pub rollout: bool,
 }
 
 /// A batch: packed pairs, their sequence lengths, and which rows count with their teacher features.
 struct Batch {
-    pairs: Tensor,
+    /// Embeddings of t_{i+1}, `[rows, H]`.
+    emb: Tensor,
+    /// Noisy true features f_i, `[rows, H]`.
+    feats: Tensor,
     lens: Vec<usize>,
     counted: Tensor,
     teacher: Tensor,
@@ -359,7 +367,8 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut Ch
     let feats = Tensor::from_vec(feats, (rows, hidden), &dev)?;
     let m = counted.len();
     Ok(Batch {
-        pairs: Tensor::cat(&[&emb, &feats], 1)?,
+        emb,
+        feats,
         lens,
         counted: Tensor::from_vec(counted, m, &dev)?,
         teacher: Tensor::from_vec(teacher, (m, hidden), &dev)?,
@@ -367,37 +376,61 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut Ch
 }
 
 /// The loss of one batch and what it measured.
-fn loss(d: &Dims, w: &[Tensor], frozen: &Frozen, b: &Batch) -> Result<(Tensor, StepLog)> {
-    let out = forward(d, w, &b.pairs, &b.lens)?.index_select(&b.counted, 0)?;
+/// The teacher distribution at the counted rows and the head's rows of the LM head.
+struct Targets {
+    p: Tensor,
+    head: Tensor,
+}
+
+fn targets(frozen: &Frozen, b: &Batch) -> Result<Targets> {
+    let p = softmax(&b.teacher.matmul(&frozen.lm_head.t()?)?)?;
+    Ok(match &frozen.kept_rows {
+        Some(rows) => {
+            let kept = p.index_select(rows, 1)?;
+            Targets { p: kept.broadcast_div(&kept.sum_keepdim(1)?)?, head: frozen.lm_head.index_select(rows, 0)? }
+        }
+        None => Targets { p, head: frozen.lm_head.clone() },
+    })
+}
+
+/// Smooth-L1 against the teacher features + 0.1 × cross-entropy against the teacher distribution, at the counted
+/// rows of the layer outputs `out`; also the loss parts and top-1 agreement.
+fn objective(out: &Tensor, b: &Batch, t: &Targets) -> Result<(Tensor, [f64; 3])> {
+    let out = out.index_select(&b.counted, 0)?;
     let diff = (&out - &b.teacher)?.abs()?;
     let small = diff.clamp(0f32, 1f32)?;
     let regression = ((small.sqr()? * 0.5)? + (diff - small)?)?.mean_all()?;
-    let teacher_p = {
-        let p = softmax(&b.teacher.matmul(&frozen.lm_head.t()?)?)?;
-        match &frozen.kept_rows {
-            Some(rows) => {
-                let kept = p.index_select(rows, 1)?;
-                kept.broadcast_div(&kept.sum_keepdim(1)?)?
-            }
-            None => p,
-        }
-    };
-    let head = match &frozen.kept_rows {
-        Some(rows) => frozen.lm_head.index_select(rows, 0)?,
-        None => frozen.lm_head.clone(),
-    };
-    let logits = out.matmul(&head.t()?)?;
-    let classification = (teacher_p.mul(&log_softmax(&logits)?)?.sum(1)?.neg()?).mean_all()?;
+    let logits = out.matmul(&t.head.t()?)?;
+    let classification = (t.p.mul(&log_softmax(&logits)?)?.sum(1)?.neg()?).mean_all()?;
     let total = (&regression + (&classification * 0.1)?)?;
-    let agree = logits.argmax(1)?.eq(&teacher_p.argmax(1)?)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
-    let log = StepLog {
-        loss: total.to_scalar::<f32>()? as f64,
-        regression: regression.to_scalar::<f32>()? as f64,
-        classification: classification.to_scalar::<f32>()? as f64,
-        top1: agree as f64,
-        positions: b.counted.dims1()?,
-        ..StepLog::default()
-    };
+    let agree = logits.argmax(1)?.eq(&t.p.argmax(1)?)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()? as f64;
+    Ok((total, [regression.to_scalar::<f32>()? as f64, classification.to_scalar::<f32>()? as f64, agree]))
+}
+
+/// The loss of one batch. Pass 1 feeds true features. With `rollout`, pass 2 feeds every position after the first
+/// of its sequence the feature pass 1 predicted for it (detached), as drafting feeds the head its own outputs from
+/// the second draft on; its loss is added with the same weight.
+fn loss(d: &Dims, w: &[Tensor], frozen: &Frozen, b: &Batch, rollout: bool) -> Result<(Tensor, StepLog)> {
+    let t = targets(frozen, b)?;
+    let out = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens)?;
+    let (mut total, [regression, classification, top1]) = objective(&out, b, &t)?;
+    let mut log = StepLog { regression, classification, top1, positions: b.counted.dims1()?, ..StepLog::default() };
+    if rollout {
+        let rows = b.feats.dims2()?.0;
+        let mut index = Vec::with_capacity(rows);
+        for &n in &b.lens {
+            let start = index.len() as u32;
+            index.push(start);
+            index.extend((start + 1..start + n as u32).map(|r| rows as u32 + r - 1));
+        }
+        let pool = Tensor::cat(&[&b.feats, &out.detach()], 0)?;
+        let fed = pool.index_select(&Tensor::from_vec(index, rows, &Device::Cpu)?, 0)?;
+        let out2 = forward(d, w, &Tensor::cat(&[&b.emb, &fed], 1)?, &b.lens)?;
+        let (second, [_, _, top1]) = objective(&out2, b, &t)?;
+        total = (total + second)?;
+        log.rollout_top1 = Some(top1);
+    }
+    log.loss = total.to_scalar::<f32>()? as f64;
     Ok((total, log))
 }
 
@@ -560,7 +593,7 @@ impl Trainer<'_> {
             noise.set_stream(step as u64);
             let b = batch(&picked, &frozen, d.hidden, &mut noise)?;
             let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-            let (total, mut log) = loss(&d, &w, &frozen, &b)?;
+            let (total, mut log) = loss(&d, &w, &frozen, &b, s.rollout)?;
             let grads = total.backward()?;
             let lr = learning_rate(s, step);
             state.update(&grads, lr, s.weight_decay)?;
@@ -578,7 +611,7 @@ impl Trainer<'_> {
         let mut noise = ChaCha20Rng::seed_from_u64(0);
         let b = batch(convs, &frozen, d.hidden, &mut noise)?;
         let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-        Ok(loss(&d, &w, &frozen, &b)?.1)
+        Ok(loss(&d, &w, &frozen, &b, self.settings.rollout)?.1)
     }
 }
 

@@ -19,6 +19,8 @@ pub struct TrainOptions {
     pub prompts: usize,
     pub max_new_tokens: usize,
     pub settings: TrainSettings,
+    /// Another training folder whose teacher data this run may reuse.
+    pub teacher_from: Option<PathBuf>,
     /// Train against a pruned vocabulary: frequencies and how many ids to keep.
     pub freq: Option<PathBuf>,
     pub keep: Option<KeepRule>,
@@ -61,12 +63,17 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         _ => bail!("training against a pruned vocabulary needs both --freq and --ratio/--keep"),
     };
 
-    let identity = serde_json::json!({
+    // What the teacher data depends on; the rest of the identity is how the head is trained.
+    let data_identity = serde_json::json!({
         "target": o.target,
         "target_sha256": crate::manifest::sha256(&target.source)?,
         "corpus": files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
         "prompts": o.prompts,
         "max_new_tokens": o.max_new_tokens,
+        "seed": s.seed,
+    });
+    let identity = serde_json::json!({
+        "data": data_identity,
         "settings": s,
         "keep": o.keep.map(|k| format!("{k:?}")),
         "freq": o.freq.as_ref().map(|f| f.display().to_string()),
@@ -92,6 +99,14 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     }
     let hidden = target.model.config.hidden;
     let teacher_path = o.out.join("teacher.safetensors");
+    if let (false, Some(other)) = (teacher_path.exists(), &o.teacher_from) {
+        let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
+        let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
+        if theirs["data"] != data_identity {
+            bail!("--teacher-from {}: its teacher data was made from another target, corpus, prompt count, answer length or seed", other.display());
+        }
+        std::fs::copy(other.join("teacher.safetensors"), &teacher_path).with_context(|| format!("cannot copy the teacher data of {}", other.display()))?;
+    }
     let data: Vec<Conversation> = if teacher_path.exists() {
         load_teacher(&teacher_path, hidden)?
     } else {
