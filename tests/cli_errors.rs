@@ -299,5 +299,5 @@ fn bad_training_input() {
     assert!(out.join("config.json").exists() && out.join("model.safetensors").exists());
     ok_args.extend(["--seed", "9"]);
     let err = fails(&ok_args, &[]);
-    assert!(err.contains("holds another training run (differs in: settings)"), "{err}");
+    assert!(err.contains("holds another training run (differs in: data, settings)"), "{err}");
 }
