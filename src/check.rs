@@ -60,6 +60,11 @@ impl SweepResult {
         Ok(SweepResult { dir: dir.to_path_buf(), cells, manifest })
     }
 
+    /// The folder's timing_summary.parquet (plots and reports show time beside acceptance).
+    pub fn timings(&self) -> Result<Vec<crate::summary::CellTiming>> {
+        store::read_timing_summary(&self.dir.join(store::TIMING_SUMMARY))
+    }
+
     fn cell(&self, ratio: f64, temperature: f32) -> Option<&CellSummary> {
         self.cells.iter().find(|c| c.ratio == ratio && c.temperature == temperature)
     }

@@ -521,7 +521,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Plot { dir } => {
             let result = frspec::check::SweepResult::load(&dir)?;
-            let timings = frspec::store::read_timing_summary(&dir.join(frspec::store::TIMING_SUMMARY))?;
+            let timings = result.timings()?;
             let labels = frspec::plot::Labels { title: sweep_title(&result.manifest) };
             for file in frspec::plot::write(&dir.join("plots"), &result.cells, &timings, &labels)? {
                 println!("{}", file.display());
@@ -529,7 +529,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Report { dir, out } => {
             let result = frspec::check::SweepResult::load(&dir)?;
-            let timings = frspec::store::read_timing_summary(&dir.join(frspec::store::TIMING_SUMMARY))?;
+            let timings = result.timings()?;
             let text = format!(
                 "{}\n\nValues with 95% bootstrap intervals over prompts; Δ rows are paired differences.\n\n{}",
                 sweep_title(&result.manifest),

@@ -3,7 +3,7 @@
 //! font ships inside the binary (DejaVu Sans), so no system font library is needed.
 
 use crate::stats::Estimate;
-use crate::summary::{CellSummary, CellTiming};
+use crate::summary::{temperatures, CellSummary, CellTiming};
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -31,15 +31,6 @@ pub struct Labels {
 struct Series {
     name: String,
     points: Vec<(f64, Estimate)>,
-}
-
-fn temperatures(cells: &[CellSummary]) -> Vec<f32> {
-    cells.iter().fold(Vec::new(), |mut t, c| {
-        if !t.contains(&c.temperature) {
-            t.push(c.temperature);
-        }
-        t
-    })
 }
 
 fn by_temperature(cells: &[CellSummary], metric: fn(&CellSummary) -> &Estimate) -> Vec<Series> {

@@ -21,12 +21,7 @@ fn ratio_label(c: &CellSummary) -> String {
 /// A plain-text table; `markdown` gives a Markdown table instead.
 pub fn table(cells: &[CellSummary], timings: &[CellTiming], markdown: bool) -> String {
     let Some(first) = cells.first() else { return String::new() };
-    let temperatures: Vec<f32> = cells.iter().fold(Vec::new(), |mut t, c| {
-        if !t.contains(&c.temperature) {
-            t.push(c.temperature);
-        }
-        t
-    });
+    let temperatures = crate::summary::temperatures(cells);
     let columns: Vec<&CellSummary> = cells.iter().filter(|c| c.temperature == first.temperature).collect();
     let baseline = if first.baseline_ratio == 0.0 { "vanilla".to_string() } else { format!("ratio {}", first.baseline_ratio) };
     let mut rows: Vec<(String, Vec<String>)> = vec![

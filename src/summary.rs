@@ -50,6 +50,16 @@ pub struct CellTiming {
     pub head_ms: Option<f64>,
 }
 
+/// The temperatures of `cells`, in their order of first appearance.
+pub fn temperatures(cells: &[CellSummary]) -> Vec<f32> {
+    cells.iter().fold(Vec::new(), |mut t, c| {
+        if !t.contains(&c.temperature) {
+            t.push(c.temperature);
+        }
+        t
+    })
+}
+
 fn units(runs: &[&Run]) -> Vec<Unit> {
     runs.iter().map(|r| Unit { prompt: r.prompt.clone(), repeat: r.repeat as usize, counts: (&r.record).into() }).collect()
 }

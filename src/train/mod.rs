@@ -60,12 +60,24 @@ pub fn prompts(lines: &[String], count: usize, seed: u64) -> Result<Vec<String>>
     if passages.is_empty() {
         bail!("the corpus holds no passage of 8 words or more");
     }
-    let mut order: Vec<usize> = (0..passages.len()).collect();
-    let mut rng = ChaCha20Rng::seed_from_u64(seed);
-    for i in (1..order.len()).rev() {
+    let order = shuffled(passages.len(), &mut ChaCha20Rng::seed_from_u64(seed));
+    Ok((0..count).map(|i| TEMPLATES[i % TEMPLATES.len()].replace("{}", &passages[order[i % order.len()]])).collect())
+}
+
+/// 0..n in a seeded random order (Fisher–Yates).
+fn shuffled(n: usize, rng: &mut ChaCha20Rng) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
         order.swap(i, rng.random_range(0..=i));
     }
-    Ok((0..count).map(|i| TEMPLATES[i % TEMPLATES.len()].replace("{}", &passages[order[i % order.len()]])).collect())
+    order
+}
+
+/// Tensors to a safetensors file through a temporary file and a rename, so a reader never sees half of it.
+fn save_tensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    let tmp = path.with_extension("partial");
+    candle_core::safetensors::save(tensors, &tmp)?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// One conversation of the teacher data.
@@ -112,9 +124,7 @@ pub fn save_teacher(path: &Path, convs: &[Conversation], hidden: usize) -> Resul
         ("prompt_lens", Tensor::from_vec(prompt_lens, convs.len(), &dev)?),
         ("features", Tensor::from_vec(features, (rows, hidden), &dev)?),
     ];
-    let tmp = path.with_extension("partial");
-    candle_core::safetensors::save(&tensors.iter().map(|(k, v)| (k.to_string(), v.clone())).collect::<HashMap<_, _>>(), &tmp)?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+    save_tensors(&tensors.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), path)
 }
 
 pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
@@ -463,9 +473,7 @@ impl State {
     pub fn save(&self, path: &Path) -> Result<()> {
         let mut tensors = self.tensors();
         tensors.insert("step".into(), Tensor::new(&[self.step as i64], &Device::Cpu)?);
-        let tmp = path.with_extension("partial");
-        candle_core::safetensors::save(&tensors, &tmp)?;
-        std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+        save_tensors(&tensors, path)
     }
 
     pub fn load(path: &Path) -> Result<State> {
@@ -542,17 +550,19 @@ fn learning_rate(s: &TrainSettings, step: usize) -> f64 {
 
 /// The conversations step `step` trains on: a seeded permutation per epoch, `batch` at a time.
 fn step_conversations(n: usize, batch: usize, seed: u64, step: usize) -> Vec<usize> {
-    (0..batch)
-        .map(|j| {
-            let g = step * batch + j;
+    let epoch_order = |epoch: usize| {
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        rng.set_stream(epoch as u64);
+        shuffled(n, &mut rng)
+    };
+    let mut current: Option<(usize, Vec<usize>)> = None;
+    (step * batch..(step + 1) * batch)
+        .map(|g| {
             let (epoch, pos) = (g / n, g % n);
-            let mut order: Vec<usize> = (0..n).collect();
-            let mut rng = ChaCha20Rng::seed_from_u64(seed);
-            rng.set_stream(epoch as u64);
-            for i in (1..n).rev() {
-                order.swap(i, rng.random_range(0..=i));
+            if current.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                current = Some((epoch, epoch_order(epoch)));
             }
-            order[pos]
+            current.as_ref().expect("set above").1[pos]
         })
         .collect()
 }
@@ -622,9 +632,7 @@ pub fn export(dir: &Path, state: &State, target: &Model) -> Result<()> {
     for (i, key) in KEYS.iter().enumerate() {
         tensors.insert(key.to_string(), state.vars[i].as_tensor().to_dtype(DType::F16)?);
     }
-    let tmp = dir.join("model.safetensors.partial");
-    candle_core::safetensors::save(&tensors, &tmp)?;
-    std::fs::rename(&tmp, dir.join("model.safetensors"))?;
+    save_tensors(&tensors, &dir.join("model.safetensors"))?;
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": false, "hidden_act": "silu",
         "hidden_size": c.hidden, "intermediate_size": c.intermediate, "num_hidden_layers": 1,
