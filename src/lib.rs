@@ -6,6 +6,7 @@
 //! records → summary (stats) → store (Parquet) and report.
 
 pub mod assets;
+pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod check;

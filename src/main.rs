@@ -249,6 +249,22 @@ enum Command {
     /// Speed measurements.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Write a small Llama with seeded random weights and a byte tokenizer as a model folder, for checks that may
+    /// download nothing (scripts/gpu-check.sh compares the GPU with the CPU engine on one).
+    SyntheticModel {
+        #[arg(long)]
+        out: PathBuf,
+        /// A multiple of 64 (heads of 32 dimensions, half as many KV heads).
+        #[arg(long, default_value_t = 256)]
+        hidden: usize,
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        /// At least 258 (the byte tokenizer's ids).
+        #[arg(long, default_value_t = 2048)]
+        vocab: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
     /// Token-frequency files that rank the vocabulary for pruning.
     #[command(subcommand)]
     Freq(FreqCommand),
@@ -298,6 +314,8 @@ enum FreqCommand {
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Target-only decode and prefill tokens/s, and the cost of a block forward against a one-token forward.
+    /// With --device cuda, --dtype f16/bf16, --shape or --candle it runs the candle backend instead of the CPU
+    /// engine, and adds a verification pass and an EAGLE-1 drafting step at each ratio.
     Decode {
         #[command(flatten)]
         model: ModelArgs,
@@ -307,8 +325,33 @@ enum BenchCommand {
         new_tokens: usize,
         #[arg(long, default_value_t = 5)]
         runs: usize,
+        /// Engine only: tokens of the block forward compared with a one-token forward.
         #[arg(long, default_value_t = 5)]
         block: usize,
+        /// Random weights of a named shape (llama31-8b, smollm2-135m) instead of --model; speed does not depend on
+        /// the values.
+        #[arg(long)]
+        shape: Option<String>,
+        /// f32, f16 or bf16 (candle backend).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// The candle backend on the CPU (the GPU path's code, checkable here).
+        #[arg(long)]
+        candle: bool,
+        /// Prompt length for --shape (token ids spread over the vocabulary).
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        /// Draft tokens per speculative step.
+        #[arg(long, default_value_t = 4)]
+        k: usize,
+        #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.75,0.9,0.99")]
+        ratios: Vec<f64>,
+        /// Mean acceptance lengths at which to project speculative tokens/s.
+        #[arg(long, value_delimiter = ',', default_value = "1.5,2,2.5,3")]
+        lengths: Vec<f64>,
+        /// Also decode on the CPU engine and compare greedy tokens (with --model).
+        #[arg(long)]
+        compare_engine: bool,
         #[arg(long)]
         json: bool,
     },
@@ -347,7 +390,7 @@ enum BenchCommand {
         /// Weight dtype (activations are f32).
         #[arg(long, default_value = "f32")]
         dtype: String,
-        /// Compute device. This build benchmarks the CPU only.
+        /// cpu (frspec's kernel), or cuda[:N] (candle's matmul; needs a build with --features cuda).
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Folder for head.parquet and the latency plot (head_latency.png / .svg).
@@ -564,38 +607,128 @@ fn run(cli: Cli) -> Result<()> {
             }
             eprintln!("pass: {} comparisons within what the tolerance and intervals allow", rows.len());
         }
-        Command::Bench(BenchCommand::Decode { model, prompt, new_tokens, runs, block, json }) => {
-            if runs == 0 || new_tokens == 0 || block == 0 {
-                bail!("--runs, --new-tokens and --block must be at least 1");
+        Command::SyntheticModel { out, hidden, layers, vocab, seed } => {
+            if hidden == 0 || hidden % 64 != 0 || layers == 0 || vocab < 258 {
+                bail!("--hidden must be a positive multiple of 64, --layers at least 1 and --vocab at least 258");
             }
-            let target = model.load()?;
-            let b = frspec::bench::decode(&target, &prompt, new_tokens, runs, block)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&b)?);
-            } else {
-                println!("model {} ({} threads, median of {} runs)", target.source.display(), b.threads, b.runs);
-                println!("decode  {:>8.1} tokens/s  ({} new tokens)", b.decode_tok_s, b.new_tokens);
-                println!("prefill {:>8.1} tokens/s  ({} prompt tokens)", b.prefill_tok_s, b.prompt_tokens);
-                println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
-            }
+            let heads = hidden / 32;
+            let shape = frspec::synthetic::Shape { hidden, intermediate: 2 * hidden, layers, heads, kv_heads: heads / 2, vocab, tied: false, qkv_bias: false };
+            frspec::synthetic::write_model(&out, &shape, seed, candle_core::DType::F32)?;
+            println!("{}", out.display());
         }
-        Command::Bench(BenchCommand::Head { hidden, vocab, batch, ratios, dtype, device, out }) => {
-            if device != "cpu" {
-                bail!("--device {device}: this build benchmarks the CPU only (use --device cpu)");
+        Command::Bench(BenchCommand::Decode {
+            model,
+            prompt,
+            new_tokens,
+            runs,
+            block,
+            shape,
+            dtype,
+            candle,
+            prompt_tokens,
+            k,
+            ratios,
+            lengths,
+            compare_engine,
+            json,
+        }) => {
+            if runs == 0 || new_tokens == 0 || block == 0 || k == 0 {
+                bail!("--runs, --new-tokens, --block and --k must be at least 1");
             }
-            if hidden == 0 || vocab == 0 || batch.is_empty() || batch.contains(&0) {
-                bail!("--hidden, --vocab and every --batch must be at least 1");
-            }
-            if hidden % 32 != 0 {
-                bail!("--hidden must be a multiple of 32 (the kernels' block size), got {hidden}");
+            if model.device == "cpu" && dtype == "f32" && shape.is_none() && !candle {
+                let target = model.load()?;
+                let b = frspec::bench::decode(&target, &prompt, new_tokens, runs, block)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&b)?);
+                } else {
+                    println!("model {} ({} threads, median of {} runs)", target.source.display(), b.threads, b.runs);
+                    println!("decode  {:>8.1} tokens/s  ({} new tokens)", b.decode_tok_s, b.new_tokens);
+                    println!("prefill {:>8.1} tokens/s  ({} prompt tokens)", b.prefill_tok_s, b.prompt_tokens);
+                    println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
+                }
+                return Ok(());
             }
             for r in &ratios {
                 KeepRule::Ratio(*r).validate()?;
             }
-            let roof = frspec::bench::roofline()?;
-            let points = frspec::bench::head(hidden, vocab, &batch, &ratios, &dtype, roof)?;
+            if lengths.iter().any(|l| !(*l >= 1.0)) {
+                bail!("--lengths: every mean acceptance length is at least 1");
+            }
+            let device = frspec::backend::device(&model.device)?;
+            let dt = frspec::backend::dtype(&dtype)?;
+            let (llama, engine, tokens, weights) = match &shape {
+                Some(name) => {
+                    if compare_engine {
+                        bail!("--compare-engine needs --model (random weights exist on the device only)");
+                    }
+                    let shape = frspec::backend::named_shape(name)?;
+                    let tokens = frspec::bench::device::synthetic_prompt(prompt_tokens, shape.vocab);
+                    (frspec::backend::Llama::random(&shape, &device, dt)?, None, tokens, "random".to_string())
+                }
+                None => {
+                    let target = Target::load(&model.model)?;
+                    let tokens = target.tokenizer.chat_prompt(&[Message::new("user", &prompt)])?;
+                    let llama = frspec::backend::Llama::from_engine(&target.model, &device, dt)?;
+                    (llama, compare_engine.then_some(target.model), tokens, target.source.display().to_string())
+                }
+            };
+            if tokens.len() < 2 {
+                bail!("the prompt must have at least 2 tokens (the draft pairs each with the next)");
+            }
+            let settings = frspec::bench::device::DecodeSettings { device: &model.device, prompt: &tokens, new_tokens, runs, k, ratios: &ratios, acceptance_lengths: &lengths };
+            let b = frspec::bench::device::decode(&llama, &weights, &settings, engine.as_ref())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&b)?);
+            } else {
+                println!("{} on {} in {} ({} weights; median of {} runs)", frspec::bench::device::describe(&llama.config), b.device, b.dtype, b.weights, b.runs);
+                println!(
+                    "decode  {:>9.1} tokens/s  ({} new tokens after {}); weights streamed at {:.1} GB/s = {:.1}% of the measured {:.1} GB/s",
+                    b.decode_tok_s,
+                    b.new_tokens,
+                    b.prompt_tokens,
+                    b.decode_bytes_per_sec / 1e9,
+                    100.0 * b.bandwidth_share,
+                    b.device_bytes_per_sec / 1e9
+                );
+                println!("prefill {:>9.1} tokens/s", b.prefill_tok_s);
+                println!("verify  {:>9.3} ms for {} tokens (one-token step {:.3} ms)", 1e3 * b.verify_secs, k + 1, 1e3 * b.decode_step_secs);
+                let header: Vec<String> = lengths.iter().map(|l| format!("tok/s@{l}")).collect();
+                println!("{:>6} {:>8} {:>10} {:>10} {:>11} {}", "ratio", "kept", "draft ms", "step ms", "break-even", header.iter().map(|h| format!("{h:>11}")).collect::<String>());
+                for d in &b.drafts {
+                    let projected: String = d.projected_tok_s.iter().map(|t| format!("{t:>11.1}")).collect();
+                    println!("{:>6} {:>8} {:>10.3} {:>10.3} {:>11.2} {projected}", d.ratio, d.kept, 1e3 * d.draft_step_secs, 1e3 * d.speculative_step_secs, d.break_even_length);
+                }
+                if let Some(a) = &b.agreement {
+                    match a.first_difference {
+                        None => println!("greedy tokens: {} of {} identical to the CPU engine's", a.device.len(), a.engine.len()),
+                        Some(i) => println!("greedy tokens: differ from the CPU engine's at position {i} of {}", a.engine.len()),
+                    }
+                }
+            }
+            if b.agreement.as_ref().is_some_and(|a| a.first_difference.is_some()) {
+                std::process::exit(1);
+            }
+        }
+        Command::Bench(BenchCommand::Head { hidden, vocab, batch, ratios, dtype, device, out }) => {
+            if hidden == 0 || vocab == 0 || batch.is_empty() || batch.contains(&0) {
+                bail!("--hidden, --vocab and every --batch must be at least 1");
+            }
+            for r in &ratios {
+                KeepRule::Ratio(*r).validate()?;
+            }
+            let (roof, points, kernel) = if device == "cpu" {
+                if hidden % 32 != 0 {
+                    bail!("--hidden must be a multiple of 32 (the CPU kernels' block size), got {hidden}");
+                }
+                let roof = frspec::bench::roofline()?;
+                (roof, frspec::bench::head(hidden, vocab, &batch, &ratios, &dtype, roof)?, "frspec kernel")
+            } else {
+                let (dev, dt) = (frspec::backend::device(&device)?, frspec::backend::dtype(&dtype)?);
+                let roof = frspec::bench::device::roofline(&dev, dt)?;
+                (roof, frspec::bench::device::head(hidden, vocab, &batch, &ratios, &dev, dt, roof)?, "candle matmul")
+            };
             println!(
-                "H = {hidden}, V = {vocab}, {dtype} weights; roofline here: {:.1} GB/s read, {:.1} GFLOP/s (f32 gemm)",
+                "H = {hidden}, V = {vocab}, {dtype} weights on {device}; roofline there: {:.1} GB/s, {:.1} GFLOP/s",
                 roof.bytes_per_sec / 1e9,
                 roof.flops_per_sec / 1e9
             );
@@ -609,7 +742,11 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(dir) = out {
                 std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
                 frspec::store::write_head_bench(&dir.join("head.parquet"), &points)?;
-                let title = format!("H = {hidden}, V = {vocab}, {dtype} weights, {} threads, frspec kernel", frspec::tensor::pool().current_num_threads());
+                let title = if device == "cpu" {
+                    format!("H = {hidden}, V = {vocab}, {dtype} weights, {} threads, {kernel}", frspec::tensor::pool().current_num_threads())
+                } else {
+                    format!("H = {hidden}, V = {vocab}, {dtype}, {device}, {kernel}")
+                };
                 frspec::plot::head_latency(&dir.join("head_latency"), &points, &title)?;
             }
         }

@@ -388,6 +388,15 @@ impl Model {
         &self.embed
     }
 
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// The final norm's weights.
+    pub fn norm(&self) -> &[f32] {
+        &self.norm
+    }
+
     pub fn lm_head(&self) -> &Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }

@@ -21,7 +21,7 @@ fn head_benchmark_writes_every_keep_size_and_batch() {
     assert_eq!(flops[1], 2.0 * 4.0 * 64.0 * 1000.0);
     assert!(dir.path().join("head_latency.png").exists() && dir.path().join("head_latency.svg").exists());
 
-    for (flag, value, expect) in [("--dtype", "bf16", "f32 or f16"), ("--hidden", "0", "at least 1"), ("--device", "cuda:0", "CPU only")] {
+    for (flag, value, expect) in [("--dtype", "bf16", "f32 or f16"), ("--hidden", "0", "at least 1"), ("--device", "cuda:0", "without CUDA")] {
         let out = frspec().args(["bench", "head", "--vocab", "1000", "--batch", "1", flag, value]).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.code() == Some(1) && err.contains(expect), "{flag} {value}: {err}");

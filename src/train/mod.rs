@@ -11,8 +11,9 @@
 //! The forward here is written in candle tensor operations because training needs autograd; the engine's own
 //! kernels (model.rs) run the trained head. A test checks the two agree.
 
+use crate::backend::{self, attention, rms_norm, softmax, Rope};
 use crate::chat::Message;
-use crate::model::Model;
+use crate::model::{Config, Model};
 use crate::store::write_atomic;
 use crate::target::Target;
 use crate::vocab::KeepSet;
@@ -162,49 +163,24 @@ pub const KEYS: [&str; 9] = [
     "layers.0.mlp.down_proj.weight",
 ];
 
-/// Shapes the target implies for the head.
-struct Dims {
-    hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    intermediate: usize,
-    rms_eps: f64,
-    rope_theta: f64,
-}
-
-impl Dims {
-    fn of(model: &Model) -> Dims {
-        let c = &model.config;
-        Dims {
-            hidden: c.hidden,
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            intermediate: c.intermediate,
-            rms_eps: c.rms_eps as f64,
-            rope_theta: c.rope_theta as f64,
-        }
-    }
-
-    fn shape(&self, key: &str) -> Vec<usize> {
-        let (h, q, kv, i) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate);
-        match key {
-            "fc.weight" => vec![h, 2 * h],
-            "layers.0.self_attn.q_proj.weight" => vec![q, h],
-            "layers.0.self_attn.k_proj.weight" | "layers.0.self_attn.v_proj.weight" => vec![kv, h],
-            "layers.0.self_attn.o_proj.weight" => vec![h, q],
-            "layers.0.post_attention_layernorm.weight" => vec![h],
-            "layers.0.mlp.gate_proj.weight" | "layers.0.mlp.up_proj.weight" => vec![i, h],
-            "layers.0.mlp.down_proj.weight" => vec![h, i],
-            _ => unreachable!("a head key"),
-        }
+/// The shape of one head tensor, from the target's dimensions.
+fn head_shape(c: &Config, key: &str) -> Vec<usize> {
+    let (h, q, kv, i) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate);
+    match key {
+        "fc.weight" => vec![h, 2 * h],
+        "layers.0.self_attn.q_proj.weight" => vec![q, h],
+        "layers.0.self_attn.k_proj.weight" | "layers.0.self_attn.v_proj.weight" => vec![kv, h],
+        "layers.0.self_attn.o_proj.weight" => vec![h, q],
+        "layers.0.post_attention_layernorm.weight" => vec![h],
+        "layers.0.mlp.gate_proj.weight" | "layers.0.mlp.up_proj.weight" => vec![i, h],
+        "layers.0.mlp.down_proj.weight" => vec![h, i],
+        _ => unreachable!("a head key"),
     }
 }
 
 /// Initial weights: fc passes the feature half through (identity) and mixes in the embedding lightly; the layer
 /// starts small (N(0, 0.02), output projections scaled down) so the head first predicts f_{i+1} ≈ f_i.
-fn initial(d: &Dims, seed: u64) -> Result<Vec<Tensor>> {
+fn initial(d: &Config, seed: u64) -> Result<Vec<Tensor>> {
     let mut rng = ChaCha20Rng::seed_from_u64(seed);
     let mut normal = |n: usize, std: f32| -> Vec<f32> {
         (0..n)
@@ -217,7 +193,7 @@ fn initial(d: &Dims, seed: u64) -> Result<Vec<Tensor>> {
     };
     let mut out = Vec::new();
     for key in KEYS {
-        let shape = d.shape(key);
+        let shape = head_shape(d, key);
         let n: usize = shape.iter().product();
         let values = match key {
             "fc.weight" => {
@@ -248,21 +224,7 @@ struct Frozen {
 }
 
 fn dequantized(m: &crate::tensor::Matrix) -> Result<Tensor> {
-    let mut values = vec![0.0f32; m.rows * m.cols];
-    for (r, row) in values.chunks_exact_mut(m.cols).enumerate() {
-        m.row_into(r, row);
-    }
-    Ok(Tensor::from_vec(values, (m.rows, m.cols), &Device::Cpu)?)
-}
-
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
-}
-
-fn softmax(x: &Tensor) -> Result<Tensor> {
-    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+    backend::dense(m, &Device::Cpu, DType::F32)
 }
 
 fn log_softmax(x: &Tensor) -> Result<Tensor> {
@@ -270,44 +232,23 @@ fn log_softmax(x: &Tensor) -> Result<Tensor> {
     Ok(shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)?)
 }
 
-/// HF's rotate-half RoPE on `x` `[heads, n, d]` at positions 0..n.
-fn rope(x: &Tensor, theta: f64) -> Result<Tensor> {
-    let (_, n, d) = x.dims3()?;
-    let half = d / 2;
-    let inv: Vec<f32> = (0..half).map(|j| theta.powf(-(2.0 * j as f64) / d as f64) as f32).collect();
-    let angles: Vec<f32> = (0..n).flat_map(|p| inv.iter().map(move |f| p as f32 * f)).collect();
-    let a = Tensor::from_vec(angles, (n, half), x.device())?;
-    let (cos, sin) = (Tensor::cat(&[&a.cos()?, &a.cos()?], 1)?, Tensor::cat(&[&a.sin()?, &a.sin()?], 1)?);
-    let rotated = Tensor::cat(&[&x.narrow(2, half, half)?.neg()?, &x.narrow(2, 0, half)?], 2)?;
-    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
-}
-
 /// The head's layer outputs for packed pairs `x` `[rows, 2H]` (embedding, feature) made of sequences of `lens`.
-fn forward(d: &Dims, w: &[Tensor], pairs: &Tensor, lens: &[usize]) -> Result<Tensor> {
+fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize]) -> Result<Tensor> {
     let [fc, q, k, v, o, norm, gate, up, down] = w else { unreachable!("nine tensors") };
     let h = pairs.matmul(&fc.t()?)?;
     let (qs, ks, vs) = (h.matmul(&q.t()?)?, h.matmul(&k.t()?)?, h.matmul(&v.t()?)?);
-    let group = d.heads / d.kv_heads;
+    let rope = Rope::halves(d.rope_theta as f64, d.head_dim);
     let mut outs = Vec::with_capacity(lens.len());
     let mut start = 0;
     for &n in lens {
         let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
-        let qh = rope(&heads(&qs, d.heads)?, d.rope_theta)?;
-        let expand = |t: Tensor| -> Result<Tensor> {
-            Ok(t.unsqueeze(1)?.broadcast_as((d.kv_heads, group, n, d.head_dim))?.reshape((d.heads, n, d.head_dim))?)
-        };
-        let kh = expand(rope(&heads(&ks, d.kv_heads)?, d.rope_theta)?)?;
-        let vh = expand(heads(&vs, d.kv_heads)?)?;
-        let mask: Vec<f32> = (0..n).flat_map(|i| (0..n).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
-        let mask = Tensor::from_vec(mask, (n, n), pairs.device())?;
-        let scores = (qh.matmul(&kh.t()?)? / (d.head_dim as f64).sqrt())?.broadcast_add(&mask)?;
-        let attn = softmax(&scores)?.matmul(&vh)?;
-        outs.push(attn.transpose(0, 1)?.reshape((n, d.heads * d.head_dim))?);
+        let (qh, kh) = (rope.apply(&heads(&qs, d.heads)?, 0)?, rope.apply(&heads(&ks, d.kv_heads)?, 0)?);
+        outs.push(attention(&qh, &kh, &heads(&vs, d.kv_heads)?, 0)?);
         start += n;
     }
     let attn = Tensor::cat(&outs, 0)?;
     let h = (h + attn.matmul(&o.t()?)?)?;
-    let x = rms_norm(&h, norm, d.rms_eps)?;
+    let x = rms_norm(&h, norm, d.rms_eps as f64)?;
     let act = x.matmul(&gate.t()?)?.silu()?.mul(&x.matmul(&up.t()?)?)?;
     Ok((h + act.matmul(&down.t()?)?)?)
 }
@@ -420,7 +361,7 @@ fn objective(out: &Tensor, b: &Batch, t: &Targets) -> Result<(Tensor, [f64; 3])>
 /// The loss of one batch. Pass 1 feeds true features. With `rollout`, pass 2 feeds every position after the first
 /// of its sequence the feature pass 1 predicted for it (detached), as drafting feeds the head its own outputs from
 /// the second draft on; its loss is added with the same weight.
-fn loss(d: &Dims, w: &[Tensor], frozen: &Frozen, b: &Batch, rollout: bool) -> Result<(Tensor, StepLog)> {
+fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, rollout: bool) -> Result<(Tensor, StepLog)> {
     let t = targets(frozen, b)?;
     let out = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens)?;
     let (mut total, [regression, classification, top1]) = objective(&out, b, &t)?;
@@ -587,13 +528,13 @@ impl Trainer<'_> {
 
     /// A fresh state (step 0).
     pub fn start(&self) -> Result<State> {
-        State::fresh(initial(&Dims::of(&self.target.model), self.settings.seed)?)
+        State::fresh(initial(&self.target.model.config, self.settings.seed)?)
     }
 
     /// Train from `state` until `until` steps (at most the settings' steps); `on_step` sees every step's log and
     /// may checkpoint.
     pub fn run(&self, state: &mut State, until: usize, on_step: &mut dyn FnMut(&State, &StepLog) -> Result<()>) -> Result<()> {
-        let d = Dims::of(&self.target.model);
+        let d = &self.target.model.config;
         let frozen = self.frozen()?;
         let s = &self.settings;
         while state.step < until.min(s.steps) {
@@ -603,7 +544,7 @@ impl Trainer<'_> {
             noise.set_stream(step as u64);
             let b = batch(&picked, &frozen, d.hidden, &mut noise)?;
             let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-            let (total, mut log) = loss(&d, &w, &frozen, &b, s.rollout)?;
+            let (total, mut log) = loss(d, &w, &frozen, &b, s.rollout)?;
             let grads = total.backward()?;
             let lr = learning_rate(s, step);
             state.update(&grads, lr, s.weight_decay)?;
@@ -616,12 +557,12 @@ impl Trainer<'_> {
 
     /// The loss of the current weights on `convs`, without updating (for curves and tests).
     pub fn evaluate(&self, state: &State, convs: &[&Conversation]) -> Result<StepLog> {
-        let d = Dims::of(&self.target.model);
+        let d = &self.target.model.config;
         let frozen = self.frozen()?;
         let mut noise = ChaCha20Rng::seed_from_u64(0);
         let b = batch(convs, &frozen, d.hidden, &mut noise)?;
         let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-        Ok(loss(&d, &w, &frozen, &b, self.settings.rollout)?.1)
+        Ok(loss(d, &w, &frozen, &b, self.settings.rollout)?.1)
     }
 }
 
@@ -645,12 +586,12 @@ pub fn export(dir: &Path, state: &State, target: &Model) -> Result<()> {
 
 /// The head's logits (full vocabulary) at every draft position of `conv`, teacher-forced: `[tokens - 1, vocab]`.
 pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
-    let d = Dims::of(target);
+    let d = &target.config;
     let n = conv.tokens.len() - 1;
     let embedding = dequantized(target.embedding())?;
     let emb = embedding.index_select(&Tensor::from_vec(conv.tokens[1..].to_vec(), n, &Device::Cpu)?, 0)?;
     let feats = Tensor::from_vec(conv.features.clone(), (n, d.hidden), &Device::Cpu)?;
     let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let out = forward(&d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[n])?;
+    let out = forward(d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[n])?;
     Ok(out.matmul(&dequantized(target.lm_head())?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
 }

@@ -8,6 +8,8 @@ use anyhow::Result;
 use serde::Serialize;
 use std::time::Instant;
 
+pub mod device;
+
 #[derive(Serialize)]
 pub struct DecodeBench {
     pub prompt_tokens: usize,
@@ -72,6 +74,20 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         decode_tok_s_runs: decode_runs,
         prefill_tok_s_runs: prefill_runs,
     })
+}
+
+/// Greedy continuation of `prompt` by `new_tokens` tokens on the CPU engine, with no stop token.
+pub fn engine_greedy(model: &Model, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
+    let mut cache = model.new_cache();
+    let mut logits = model.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?.logits;
+    let mut out = Vec::with_capacity(new_tokens);
+    while out.len() < new_tokens {
+        out.push(argmax(&logits));
+        if out.len() < new_tokens {
+            logits = model.forward(&out[out.len() - 1..], &mut cache, &[0], &[])?.logits;
+        }
+    }
+    Ok(out)
 }
 
 /// What a verification step costs relative to a plain decode step: a `block`-token forward (logits for every
@@ -275,6 +291,11 @@ pub struct Roofline {
 }
 
 pub fn roofline() -> Result<Roofline> {
+    Ok(Roofline { bytes_per_sec: read_bandwidth(), flops_per_sec: gemm_flops()? })
+}
+
+/// Median read bandwidth of a 1 GiB buffer summed on every thread.
+pub fn read_bandwidth() -> f64 {
     use rayon::prelude::*;
     let buffer = vec![1.0f32; 1 << 28];
     let read: Vec<f64> = (0..5)
@@ -290,6 +311,11 @@ pub fn roofline() -> Result<Roofline> {
             (buffer.len() * 4) as f64 / t.elapsed().as_secs_f64()
         })
         .collect();
+    median(&read)
+}
+
+/// Best FLOP/s of five 1024³ f32 products through candle's CPU gemm.
+fn gemm_flops() -> Result<f64> {
     let n = 1024;
     let a = candle_core::Tensor::ones((n, n), candle_core::DType::F32, &candle_core::Device::Cpu)?;
     let flops: Vec<f64> = (0..5)
@@ -299,7 +325,44 @@ pub fn roofline() -> Result<Roofline> {
             Ok(2.0 * (n * n * n) as f64 / t.elapsed().as_secs_f64())
         })
         .collect::<Result<_>>()?;
-    Ok(Roofline { bytes_per_sec: median(&read), flops_per_sec: flops.iter().cloned().fold(0.0, f64::max) })
+    Ok(flops.iter().cloned().fold(0.0, f64::max))
+}
+
+/// At least 3 timed runs of `f`, more while they take under a second in all; the median seconds.
+pub fn median_secs(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 3 || (times.len() < 21 && start.elapsed().as_secs_f64() < 1.0) {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(&times))
+}
+
+impl HeadPoint {
+    /// The point for `batch` rows against `kept` weight rows of `weight_bytes`, `elem` bytes per activation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(ratio: f64, kept: usize, batch: usize, hidden: usize, dtype: &str, weight_bytes: usize, elem: usize, secs: f64, roof: Roofline) -> HeadPoint {
+        let bytes = (weight_bytes + elem * batch * hidden + elem * batch * kept) as f64;
+        let flops = 2.0 * (batch * hidden * kept) as f64;
+        let intensity = flops / bytes;
+        let attainable = roof.flops_per_sec.min(intensity * roof.bytes_per_sec);
+        HeadPoint {
+            ratio,
+            kept,
+            batch,
+            dtype: dtype.into(),
+            median_secs: secs,
+            bytes,
+            flops,
+            bytes_per_sec: bytes / secs,
+            flops_per_sec: flops / secs,
+            intensity,
+            roofline_share: flops / secs / attainable,
+        }
+    }
 }
 
 /// Median time of the draft logits for every keep size (`ratios` of `vocab`) and batch size, on frspec's own
@@ -322,33 +385,11 @@ pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], dtyp
         for &b in batches {
             let x: Vec<f32> = (0..b * hidden).map(pattern).collect();
             let mut out = vec![0.0f32; b * kept];
-            w.matmul(&x, &mut out, &mut scratch);
-            // At least 3 runs, more while they take under a second in all.
-            let mut times = Vec::new();
-            let start = Instant::now();
-            while times.len() < 3 || (times.len() < 21 && start.elapsed().as_secs_f64() < 1.0) {
-                let t = Instant::now();
+            let secs = median_secs(|| {
                 w.matmul(&x, &mut out, &mut scratch);
-                times.push(t.elapsed().as_secs_f64());
-            }
-            let secs = median(&times);
-            let bytes = (w.bytes() + 4 * b * hidden + 4 * b * kept) as f64;
-            let flops = 2.0 * (b * hidden * kept) as f64;
-            let intensity = flops / bytes;
-            let attainable = roof.flops_per_sec.min(intensity * roof.bytes_per_sec);
-            points.push(HeadPoint {
-                ratio,
-                kept,
-                batch: b,
-                dtype: dtype.into(),
-                median_secs: secs,
-                bytes,
-                flops,
-                bytes_per_sec: bytes / secs,
-                flops_per_sec: flops / secs,
-                intensity,
-                roofline_share: flops / secs / attainable,
-            });
+                Ok(())
+            })?;
+            points.push(HeadPoint::new(ratio, kept, b, hidden, dtype, w.bytes(), 4, secs, roof));
         }
     }
     Ok(points)

@@ -1,0 +1,450 @@
+//! The target and an EAGLE-1 draft layer as candle tensors on any device and dtype: frspec's GPU path.
+//!
+//! The CPU engine (`model`, `draft`, `decode`) stays the reference: f32 activations, quantized weights, and bit-exact
+//! block forwards, which losslessness tests need. This path trades that for what a GPU runs fast: dense weights in
+//! f32, f16 or bf16, candle's kernels, attention in f32. It is built from an engine model (weights dequantized, for
+//! agreement checks) or with random weights of any shape (speed does not depend on the values, so a Llama-3.1-8B
+//! run needs no download).
+
+use crate::model::{Config, Model, RopeStyle};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn device(name: &str) -> Result<Device> {
+    if name == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let Some(rest) = name.strip_prefix("cuda") else {
+        bail!("--device {name}: expected cpu, cuda or cuda:N");
+    };
+    let ordinal = match rest {
+        "" => 0,
+        _ => rest.strip_prefix(':').and_then(|n| n.parse().ok()).with_context(|| format!("--device {name}: expected cuda:N with N a GPU index"))?,
+    };
+    if !candle_core::utils::cuda_is_available() {
+        bail!("--device {name}: this frspec was built without CUDA; build it with `--features cuda` (README, GPU)");
+    }
+    // candle's CUDA errors carry a backtrace in their text; its first line says what failed.
+    Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("--device {name}: no usable GPU: {}", e.to_string().lines().next().unwrap_or_default()))
+}
+
+/// `f32`, `f16` or `bf16`.
+pub fn dtype(name: &str) -> Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => bail!("--dtype {other}: expected f32, f16 or bf16"),
+    }
+}
+
+/// The dimensions users ask about by name (from the models' config.json files), as a model config.
+pub fn named_shape(name: &str) -> Result<Config> {
+    let (hidden, intermediate, layers, heads, kv_heads, vocab, rope_theta) = match name {
+        "llama31-8b" => (4096, 14336, 32, 32, 8, 128_256, 500_000.0),
+        "smollm2-135m" => (576, 1536, 30, 9, 3, 49_152, 100_000.0),
+        other => bail!("--shape {other}: expected llama31-8b or smollm2-135m"),
+    };
+    Ok(Config {
+        architecture: "llama".into(),
+        hidden,
+        intermediate,
+        layers,
+        heads,
+        kv_heads,
+        head_dim: hidden / heads,
+        vocab,
+        rms_eps: 1e-5,
+        rope_theta,
+        rope_style: RopeStyle::Halves,
+        rope_scaling: None,
+        context_length: 131_072,
+        tied_embeddings: false,
+    })
+}
+
+/// Parameters one decode step reads: every layer, the final norm and the LM head (of the embedding, one row).
+pub fn streamed_parameters(c: &Config) -> usize {
+    let (h, q, kv) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate + 2 * h;
+    c.layers * layer + c.vocab * h + 2 * h
+}
+
+/// A dense `[out, in]` matrix on the device, with the engine's values.
+pub fn dense(m: &crate::tensor::Matrix, device: &Device, dtype: DType) -> Result<Tensor> {
+    let mut values = vec![0.0f32; m.rows * m.cols];
+    for (r, row) in values.chunks_exact_mut(m.cols).enumerate() {
+        m.row_into(r, row);
+    }
+    Ok(Tensor::from_vec(values, (m.rows, m.cols), &Device::Cpu)?.to_device(device)?.to_dtype(dtype)?)
+}
+
+/// RMSNorm in f32 whatever the activations' dtype; `w` is f32.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let xf = x.to_dtype(DType::F32)?;
+    let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(xf.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?.to_dtype(x.dtype())?)
+}
+
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Rotary position embedding: which dimensions pair up, and their inverse frequencies.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    pub inv_freq: Vec<f32>,
+    pub style: RopeStyle,
+}
+
+impl Rope {
+    /// Plain RoPE of base `theta` over HF's rotate-half pairs.
+    pub fn halves(theta: f64, head_dim: usize) -> Rope {
+        let inv_freq = (0..head_dim / 2).map(|j| theta.powf(-(2.0 * j as f64) / head_dim as f64) as f32).collect();
+        Rope { inv_freq, style: RopeStyle::Halves }
+    }
+
+    /// Rotate `x` `[heads, n, head_dim]` to positions `start..start + n`, computing in f32.
+    pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
+        let (heads, n, d) = x.dims3()?;
+        let half = self.inv_freq.len();
+        // Angles formed in f32 and evaluated exactly, as the engine does.
+        let angles: Vec<f64> = (0..n).flat_map(|i| self.inv_freq.iter().map(move |f| ((start + i) as f32 * f) as f64)).collect();
+        let table = |f: fn(f64) -> f64| -> Result<Tensor> {
+            Ok(Tensor::from_vec(angles.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), (n, half), x.device())?)
+        };
+        let (cos, sin) = (table(f64::cos)?, table(f64::sin)?);
+        let xf = x.to_dtype(DType::F32)?;
+        let rotated = match self.style {
+            RopeStyle::Halves => {
+                let (a, b) = (xf.narrow(2, 0, half)?, xf.narrow(2, half, half)?);
+                let cos2 = Tensor::cat(&[&cos, &cos], 1)?;
+                let sin2 = Tensor::cat(&[&sin, &sin], 1)?;
+                (xf.broadcast_mul(&cos2)? + Tensor::cat(&[&b.neg()?, &a], 2)?.broadcast_mul(&sin2)?)?
+            }
+            RopeStyle::Interleaved => {
+                let pairs = xf.reshape((heads, n, half, 2))?;
+                let (a, b) = (pairs.narrow(3, 0, 1)?.squeeze(3)?, pairs.narrow(3, 1, 1)?.squeeze(3)?);
+                let ra = (a.broadcast_mul(&cos)? - b.broadcast_mul(&sin)?)?;
+                let rb = (a.broadcast_mul(&sin)? + b.broadcast_mul(&cos)?)?;
+                Tensor::stack(&[&ra, &rb], 3)?.reshape((heads, n, d))?
+            }
+        };
+        Ok(rotated.to_dtype(x.dtype())?)
+    }
+}
+
+/// Causal grouped-query attention of queries `q` `[heads, n, d]` at positions `start..start + n` over keys and
+/// values `[kv_heads, start + n, d]`; returns `[n, heads · d]`. Scores and softmax in f32.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Tensor> {
+    let (heads, n, d) = q.dims3()?;
+    let (kv_heads, total, _) = k.dims3()?;
+    let group = heads / kv_heads;
+    let expand = |t: &Tensor| -> Result<Tensor> {
+        Ok(t.to_dtype(DType::F32)?.unsqueeze(1)?.broadcast_as((kv_heads, group, total, d))?.reshape((heads, total, d))?)
+    };
+    let (k, v) = (expand(k)?, expand(v)?);
+    let mut scores = (q.to_dtype(DType::F32)?.matmul(&k.t()?)? / (d as f64).sqrt())?;
+    if n > 1 {
+        let mask: Vec<f32> = (0..n).flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+        scores = scores.broadcast_add(&Tensor::from_vec(mask, (n, total), q.device())?)?;
+    }
+    let out = softmax(&scores)?.matmul(&v)?;
+    Ok(out.transpose(0, 1)?.reshape((n, heads * d))?.to_dtype(q.dtype())?)
+}
+
+/// `x · wᵀ (+ b)` with `w` `[out, in]`.
+struct Proj {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl Proj {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.w.t()?)?;
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// Weights drawn at random, scaled so activations stay of order one through many layers.
+struct Random<'a> {
+    device: &'a Device,
+    dtype: DType,
+}
+
+impl Random<'_> {
+    fn matrix(&self, rows: usize, cols: usize) -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, (1.0 / cols as f64).sqrt() as f32, (rows, cols), self.device)?.to_dtype(self.dtype)?)
+    }
+
+    fn proj(&self, rows: usize, cols: usize) -> Result<Proj> {
+        Ok(Proj { w: self.matrix(rows, cols)?, b: None })
+    }
+
+    fn ones(&self, n: usize) -> Result<Tensor> {
+        Ok(Tensor::ones(n, DType::F32, self.device)?)
+    }
+}
+
+struct Layer {
+    attn_norm: Option<Tensor>,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
+    ffn_norm: Tensor,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
+}
+
+impl Layer {
+    fn from_engine(l: &crate::model::Layer, device: &Device, dtype: DType) -> Result<Layer> {
+        let proj = |p: &crate::model::Linear| -> Result<Proj> {
+            let b = p.bias.as_ref().map(|b| Tensor::from_slice(b, b.len(), device)?.to_dtype(dtype)).transpose()?;
+            Ok(Proj { w: dense(&p.weight, device, dtype)?, b })
+        };
+        let norm = |w: &[f32]| Tensor::from_slice(w, w.len(), device);
+        Ok(Layer {
+            attn_norm: l.attn_norm.as_deref().map(norm).transpose()?,
+            q: proj(&l.q)?,
+            k: proj(&l.k)?,
+            v: proj(&l.v)?,
+            o: proj(&l.o)?,
+            ffn_norm: norm(&l.ffn_norm)?,
+            gate: proj(&l.gate)?,
+            up: proj(&l.up)?,
+            down: proj(&l.down)?,
+        })
+    }
+
+    fn random(s: &Config, r: &Random, attn_norm: bool) -> Result<Layer> {
+        let (h, kv, i) = (s.hidden, s.kv_heads * s.head_dim, s.intermediate);
+        Ok(Layer {
+            attn_norm: if attn_norm { Some(r.ones(h)?) } else { None },
+            q: r.proj(s.heads * s.head_dim, h)?,
+            k: r.proj(kv, h)?,
+            v: r.proj(kv, h)?,
+            o: r.proj(h, s.heads * s.head_dim)?,
+            ffn_norm: r.ones(h)?,
+            gate: r.proj(i, h)?,
+            up: r.proj(i, h)?,
+            down: r.proj(h, i)?,
+        })
+    }
+
+    /// `x` `[n, hidden]` at positions `cache.len..`, appending its keys and values to `cache`.
+    fn forward(&self, s: &Config, rope: &Rope, x: &Tensor, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let normed = match &self.attn_norm {
+            Some(w) => rms_norm(x, w, s.rms_eps as f64)?,
+            None => x.clone(),
+        };
+        let heads = |t: Tensor, count: usize| -> Result<Tensor> { Ok(t.reshape((n, count, s.head_dim))?.transpose(0, 1)?.contiguous()?) };
+        let q = rope.apply(&heads(self.q.forward(&normed)?, s.heads)?, start)?;
+        let k = rope.apply(&heads(self.k.forward(&normed)?, s.kv_heads)?, start)?;
+        let v = heads(self.v.forward(&normed)?, s.kv_heads)?;
+        let (k, v) = cache.append(k, v)?;
+        let x = (x + self.o.forward(&attention(&q, &k, &v, start)?)?)?;
+        let m = rms_norm(&x, &self.ffn_norm, s.rms_eps as f64)?;
+        let act = (self.gate.forward(&m)?.silu()? * self.up.forward(&m)?)?;
+        Ok((x + self.down.forward(&act)?)?)
+    }
+}
+
+/// One layer's keys and values `[kv_heads, len, head_dim]`.
+#[derive(Default)]
+struct LayerCache {
+    kv: Option<(Tensor, Tensor)>,
+}
+
+impl LayerCache {
+    fn append(&mut self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        let kv = match self.kv.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
+            None => (k, v),
+        };
+        self.kv = Some(kv.clone());
+        Ok(kv)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if let Some((k, v)) = self.kv.take() {
+            self.kv = if len == 0 { None } else { Some((k.narrow(1, 0, len)?, v.narrow(1, 0, len)?)) };
+        }
+        Ok(())
+    }
+}
+
+/// The keys and values of every layer, and how many positions they hold.
+#[derive(Default)]
+pub struct Cache {
+    layers: Vec<LayerCache>,
+    len: usize,
+}
+
+impl Cache {
+    fn new(layers: usize) -> Cache {
+        Cache { layers: (0..layers).map(|_| LayerCache::default()).collect(), len: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forget positions `len..` (rejected drafts).
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        for l in &mut self.layers {
+            l.truncate(len)?;
+        }
+        self.len = self.len.min(len);
+        Ok(())
+    }
+}
+
+/// A Llama target on a device.
+pub struct Llama {
+    pub config: Config,
+    rope: Rope,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Llama {
+    /// The engine's model, weights dequantized onto `device` in `dtype`.
+    pub fn from_engine(model: &Model, device: &Device, dtype: DType) -> Result<Llama> {
+        let embed = dense(model.embedding(), device, dtype)?;
+        let lm_head = if std::ptr::eq(model.lm_head(), model.embedding()) { embed.clone() } else { dense(model.lm_head(), device, dtype)? };
+        Ok(Llama {
+            config: model.config.clone(),
+            rope: Rope { inv_freq: model.geometry.inv_freq.clone(), style: model.config.rope_style },
+            embed,
+            layers: model.layers().iter().map(|l| Layer::from_engine(l, device, dtype)).collect::<Result<_>>()?,
+            norm: Tensor::from_slice(model.norm(), model.norm().len(), device)?,
+            lm_head,
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    /// Random weights of the dimensions `shape` gives (an untied LM head, as Llama-3.1-8B has).
+    pub fn random(shape: &Config, device: &Device, dtype: DType) -> Result<Llama> {
+        let r = Random { device, dtype };
+        Ok(Llama {
+            rope: Rope::halves(shape.rope_theta as f64, shape.head_dim),
+            embed: r.matrix(shape.vocab, shape.hidden)?,
+            layers: (0..shape.layers).map(|_| Layer::random(shape, &r, true)).collect::<Result<_>>()?,
+            norm: r.ones(shape.hidden)?,
+            lm_head: r.matrix(shape.vocab, shape.hidden)?,
+            config: shape.clone(),
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(self.layers.len())
+    }
+
+    /// Embedding rows of `tokens`, `[n, hidden]`.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.config.vocab) {
+            bail!("token id {t} is outside the model's vocabulary of {}", self.config.vocab);
+        }
+        Ok(self.embed.index_select(&Tensor::from_slice(tokens, tokens.len(), &self.device)?, 0)?)
+    }
+
+    /// Forward `tokens` at positions `cache.len()..`; returns the hidden states after the final norm `[n, hidden]`.
+    pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
+        let start = cache.len;
+        let mut x = self.embed(tokens)?;
+        for (layer, kv) in self.layers.iter().zip(&mut cache.layers) {
+            x = layer.forward(&self.config, &self.rope, &x, kv, start)?;
+        }
+        cache.len = start + tokens.len();
+        rms_norm(&x, &self.norm, self.config.rms_eps as f64)
+    }
+
+    /// Full-vocabulary logits `[n, vocab]` of hidden states `[n, hidden]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(hidden.matmul(&self.lm_head.t()?)?)
+    }
+
+    /// The LM head's rows for `ids` (an FR-Spec draft head), `[ids.len(), hidden]`.
+    pub fn head_rows(&self, ids: &[u32]) -> Result<Tensor> {
+        Ok(self.lm_head.index_select(&Tensor::from_slice(ids, ids.len(), &self.device)?, 0)?)
+    }
+}
+
+/// Argmax of every row of `logits` `[n, V]`, copied to the host (which also waits for the device).
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}
+
+/// Greedy continuation of `prompt` by `new_tokens` tokens, one forward per token.
+pub fn greedy(model: &Llama, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
+    let mut cache = model.new_cache();
+    let hidden = model.forward(prompt, &mut cache)?;
+    let mut next = *argmax_rows(&model.logits(&hidden.narrow(0, prompt.len() - 1, 1)?)?)?.first().context("no logits")?;
+    let mut out = Vec::with_capacity(new_tokens);
+    while out.len() < new_tokens {
+        out.push(next);
+        if out.len() == new_tokens {
+            break;
+        }
+        next = argmax_rows(&model.logits(&model.forward(&[next], &mut cache)?)?)?[0];
+    }
+    Ok(out)
+}
+
+/// An EAGLE-1 draft layer with random weights of the target's shape, and its FR-Spec head (the target's LM-head rows
+/// for the kept ids). For speed: what one drafting step costs at each kept vocabulary.
+pub struct EagleStep {
+    fc: Proj,
+    layer: Layer,
+    rope: Rope,
+    head: Tensor,
+}
+
+impl EagleStep {
+    pub fn random(target: &Llama, kept_ids: &[u32]) -> Result<EagleStep> {
+        let s = &target.config;
+        let r = Random { device: &target.device, dtype: target.dtype };
+        Ok(EagleStep {
+            fc: r.proj(s.hidden, 2 * s.hidden)?,
+            layer: Layer::random(s, &r, false)?,
+            rope: Rope::halves(s.rope_theta as f64, s.head_dim),
+            head: target.head_rows(kept_ids)?,
+        })
+    }
+
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(1)
+    }
+
+    /// Draft positions pairing `features` `[n, hidden]` with the next `tokens`: the layer outputs `[n, hidden]` and
+    /// the index (into the kept ids) of the best token after the last one.
+    pub fn forward(&self, target: &Llama, tokens: &[u32], features: &Tensor, cache: &mut Cache) -> Result<(Tensor, u32)> {
+        let pair = Tensor::cat(&[&target.embed(tokens)?, features], 1)?;
+        let x = self.fc.forward(&pair)?;
+        let start = cache.len;
+        let out = self.layer.forward(&target.config, &self.rope, &x, &mut cache.layers[0], start)?;
+        cache.len = start + tokens.len();
+        let last = out.narrow(0, tokens.len() - 1, 1)?;
+        let best = argmax_rows(&last.matmul(&self.head.t()?)?)?[0];
+        Ok((last, best))
+    }
+}

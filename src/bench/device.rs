@@ -1,0 +1,239 @@
+//! Speed on any device through the candle backend: target-only decode, a verification pass, an EAGLE-1 drafting
+//! step at each kept vocabulary, the LM head alone, and the device's own ceilings to compare them with.
+
+use super::{median, median_secs, HeadPoint, Roofline};
+use crate::backend::{argmax_rows, greedy, streamed_parameters, EagleStep, Llama};
+use crate::model::Config;
+use crate::model::Model;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde::Serialize;
+use std::time::Instant;
+
+/// Bytes per element of `dtype`.
+fn elem(dtype: DType) -> usize {
+    dtype.size_in_bytes()
+}
+
+/// The device's ceilings as measured on it: a 1 GiB elementwise pass (read + write) and the best of five square
+/// products in `dtype` (8192³ on a GPU; on the CPU, the CPU probes).
+pub fn roofline(device: &Device, dtype: DType) -> Result<Roofline> {
+    if device.is_cpu() {
+        return super::roofline();
+    }
+    let x = Tensor::ones(1usize << 28, DType::F32, device)?;
+    let copy = median_secs(|| {
+        std::hint::black_box(x.affine(1.0, 0.0)?);
+        Ok(device.synchronize()?)
+    })?;
+    let n = 8192;
+    let a = Tensor::ones((n, n), dtype, device)?;
+    let mut best = f64::INFINITY;
+    a.matmul(&a)?;
+    device.synchronize()?;
+    for _ in 0..5 {
+        let t = Instant::now();
+        std::hint::black_box(a.matmul(&a)?);
+        device.synchronize()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(Roofline { bytes_per_sec: 2.0 * (x.elem_count() * 4) as f64 / copy, flops_per_sec: 2.0 * (n * n * n) as f64 / best })
+}
+
+/// `bench head` on a device: draft logits `[B, H] × [H, V′]` in `dtype` (weights and activations), candle's matmul.
+pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], device: &Device, dtype: DType, roof: Roofline) -> Result<Vec<HeadPoint>> {
+    let mut points = Vec::new();
+    for &ratio in ratios {
+        let kept = crate::vocab::kept_for_ratio(ratio, vocab);
+        let w = Tensor::randn(0f32, 0.02, (kept, hidden), device)?.to_dtype(dtype)?;
+        for &b in batches {
+            let x = Tensor::randn(0f32, 1.0, (b, hidden), device)?.to_dtype(dtype)?;
+            let secs = median_secs(|| {
+                std::hint::black_box(x.matmul(&w.t()?)?);
+                Ok(device.synchronize()?)
+            })?;
+            points.push(HeadPoint::new(ratio, kept, b, hidden, dtype.as_str(), kept * hidden * elem(dtype), elem(dtype), secs, roof));
+        }
+    }
+    Ok(points)
+}
+
+/// What one drafting step and one speculative step cost at a kept vocabulary.
+#[derive(Clone, Debug, Serialize)]
+pub struct DraftCost {
+    pub ratio: f64,
+    pub kept: usize,
+    /// Median seconds of one EAGLE-1 drafting step (fc, the layer, the kept LM-head rows, argmax).
+    pub draft_step_secs: f64,
+    /// One verification pass plus k drafting steps.
+    pub speculative_step_secs: f64,
+    /// The mean acceptance length at which speculative decoding matches target-only speed.
+    pub break_even_length: f64,
+    /// Tokens/s at each of the bench's acceptance lengths: length ÷ speculative step seconds.
+    pub projected_tok_s: Vec<f64>,
+}
+
+/// Greedy tokens of the device model against the CPU engine's, from the same weights and prompt.
+#[derive(Clone, Debug, Serialize)]
+pub struct Agreement {
+    pub engine: Vec<u32>,
+    pub device: Vec<u32>,
+    /// The first position where they differ, if any.
+    pub first_difference: Option<usize>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceDecodeBench {
+    pub device: String,
+    pub dtype: String,
+    /// Where the weights came from: a model path, or "random" for a named shape.
+    pub weights: String,
+    pub hidden: usize,
+    pub layers: usize,
+    pub vocab: usize,
+    /// Bytes of weights one decode step reads (layers, final norm, LM head).
+    pub weight_bytes_per_token: f64,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub runs: usize,
+    pub k: usize,
+    /// Median tokens/s of greedy one-token steps after the prompt.
+    pub decode_tok_s: f64,
+    pub decode_tok_s_runs: Vec<f64>,
+    pub prefill_tok_s: f64,
+    /// Weight bytes one decode step reads ÷ its median time.
+    pub decode_bytes_per_sec: f64,
+    /// The device's measured elementwise bandwidth, and the decode's share of it.
+    pub device_bytes_per_sec: f64,
+    pub bandwidth_share: f64,
+    /// Median seconds of a verification pass: k + 1 tokens forwarded, logits for all of them, argmax.
+    pub verify_secs: f64,
+    /// Seconds of one target-only decode step (1 / decode_tok_s).
+    pub decode_step_secs: f64,
+    pub acceptance_lengths: Vec<f64>,
+    pub drafts: Vec<DraftCost>,
+    pub agreement: Option<Agreement>,
+}
+
+pub struct DecodeSettings<'a> {
+    /// As the user named it (cpu, cuda:0).
+    pub device: &'a str,
+    pub prompt: &'a [u32],
+    pub new_tokens: usize,
+    pub runs: usize,
+    pub k: usize,
+    pub ratios: &'a [f64],
+    pub acceptance_lengths: &'a [f64],
+}
+
+/// Target-only decode speed and the cost of a speculative step at each ratio. Draft weights are random (speed does
+/// not depend on them), so speculative speed is projected from the step cost at given acceptance lengths.
+pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&Model>) -> Result<DeviceDecodeBench> {
+    let device = &model.device;
+    let (mut decode_runs, mut prefill_runs) = (Vec::new(), Vec::new());
+    for run in 0..=s.runs {
+        let t = Instant::now();
+        let mut cache = model.new_cache();
+        let hidden = model.forward(s.prompt, &mut cache)?;
+        let mut next = argmax_rows(&model.logits(&hidden.narrow(0, s.prompt.len() - 1, 1)?)?)?[0];
+        let prefill = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        for _ in 0..s.new_tokens {
+            next = argmax_rows(&model.logits(&model.forward(&[next], &mut cache)?)?)?[0];
+        }
+        let decode = t.elapsed().as_secs_f64();
+        // The first run warms up kernels and allocations.
+        if run > 0 {
+            prefill_runs.push(s.prompt.len() as f64 / prefill);
+            decode_runs.push(s.new_tokens as f64 / decode);
+        }
+    }
+    let decode_tok_s = median(&decode_runs);
+
+    let mut cache = model.new_cache();
+    let features = model.forward(s.prompt, &mut cache)?;
+    let base = cache.len();
+    let block: Vec<u32> = s.prompt.iter().cycle().take(s.k + 1).copied().collect();
+    let verify_secs = median_secs(|| {
+        argmax_rows(&model.logits(&model.forward(&block, &mut cache)?)?)?;
+        cache.truncate(base)
+    })?;
+
+    let decode_step_secs = 1.0 / decode_tok_s;
+    let mut drafts = Vec::new();
+    for &ratio in s.ratios {
+        let kept = crate::vocab::kept_for_ratio(ratio, model.config.vocab);
+        let ids: Vec<u32> = (0..kept as u32).collect();
+        let eagle = EagleStep::random(model, &ids)?;
+        let mut draft_cache = eagle.new_cache();
+        eagle.forward(model, &s.prompt[1..], &features.narrow(0, 0, s.prompt.len() - 1)?, &mut draft_cache)?;
+        let draft_base = draft_cache.len();
+        let last = features.narrow(0, s.prompt.len() - 1, 1)?;
+        let chain = median_secs(|| {
+            let (mut feature, mut token) = (last.clone(), s.prompt[s.prompt.len() - 1]);
+            for _ in 0..s.k {
+                let (out, best) = eagle.forward(model, &[token], &feature, &mut draft_cache)?;
+                (feature, token) = (out, ids[best as usize]);
+            }
+            draft_cache.truncate(draft_base)
+        })?;
+        let draft_step_secs = chain / s.k as f64;
+        let speculative_step_secs = verify_secs + chain;
+        drafts.push(DraftCost {
+            ratio,
+            kept,
+            draft_step_secs,
+            speculative_step_secs,
+            break_even_length: speculative_step_secs / decode_step_secs,
+            projected_tok_s: s.acceptance_lengths.iter().map(|l| l / speculative_step_secs).collect(),
+        });
+    }
+
+    let agreement = engine
+        .map(|m| -> Result<Agreement> {
+            let engine = super::engine_greedy(m, s.prompt, s.new_tokens)?;
+            let on_device = greedy(model, s.prompt, s.new_tokens)?;
+            let first_difference = engine.iter().zip(&on_device).position(|(a, b)| a != b);
+            Ok(Agreement { engine, device: on_device, first_difference })
+        })
+        .transpose()
+        .context("comparing greedy tokens with the CPU engine")?;
+
+    let weight_bytes = (streamed_parameters(&model.config) * elem(model.dtype)) as f64;
+    let device_bytes_per_sec = roofline(device, model.dtype)?.bytes_per_sec;
+    let decode_bytes_per_sec = weight_bytes * decode_tok_s;
+    Ok(DeviceDecodeBench {
+        device: s.device.into(),
+        dtype: model.dtype.as_str().into(),
+        weights: weights.into(),
+        hidden: model.config.hidden,
+        layers: model.config.layers,
+        vocab: model.config.vocab,
+        weight_bytes_per_token: weight_bytes,
+        prompt_tokens: s.prompt.len(),
+        new_tokens: s.new_tokens,
+        runs: s.runs,
+        k: s.k,
+        decode_tok_s,
+        decode_tok_s_runs: decode_runs,
+        prefill_tok_s: median(&prefill_runs),
+        decode_bytes_per_sec,
+        device_bytes_per_sec,
+        bandwidth_share: decode_bytes_per_sec / device_bytes_per_sec,
+        verify_secs,
+        decode_step_secs,
+        acceptance_lengths: s.acceptance_lengths.to_vec(),
+        drafts,
+        agreement,
+    })
+}
+
+/// A prompt of `n` token ids spread over the vocabulary, for models without a tokenizer.
+pub fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+}
+
+/// A model's dimensions, for printing.
+pub fn describe(c: &Config) -> String {
+    format!("H {} × {} layers, {} heads ({} KV), V {}", c.hidden, c.layers, c.heads, c.kv_heads, c.vocab)
+}

@@ -1,0 +1,116 @@
+//! The candle backend (frspec's GPU path) against the CPU engine, run here on the CPU in f32: the same model gives
+//! the same greedy tokens and nearly the same hidden states; its caches roll back as verification needs; the
+//! `bench decode` route through it reports and compares.
+
+mod common;
+use common::frspec;
+use frspec::backend::{greedy, named_shape, EagleStep, Llama};
+use frspec::model::Config;
+use frspec::bench::engine_greedy;
+use frspec::chat::Message;
+use frspec::model::Model;
+use frspec::synthetic::{self, Shape};
+use frspec::target::Target;
+use candle_core::{DType, Device, Tensor};
+
+fn max_abs_diff(a: &Tensor, b: &[f32]) -> f32 {
+    a.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Greedy tokens and prompt hidden states of the backend on `model` equal the engine's.
+fn agrees_with_engine(model: &Model, prompt: &[u32], new_tokens: usize, tolerance: f32) {
+    let llama = Llama::from_engine(model, &Device::Cpu, DType::F32).unwrap();
+    let hidden = llama.forward(prompt, &mut llama.new_cache()).unwrap();
+    let engine_hidden = model.forward(prompt, &mut model.new_cache(), &[], &[]).unwrap().hidden;
+    let diff = max_abs_diff(&hidden, &engine_hidden);
+    assert!(diff < tolerance, "hidden states differ by {diff}");
+    assert_eq!(greedy(&llama, prompt, new_tokens).unwrap(), engine_greedy(model, prompt, new_tokens).unwrap());
+}
+
+#[test]
+fn smollm2_greedy_tokens_match_the_engine() {
+    // GGUF: interleaved RoPE, tied embeddings, Q4_1 weights dequantized.
+    let target = Target::load("smollm2").unwrap_or_else(|e| panic!("{e:#}"));
+    let prompt = target.tokenizer.chat_prompt(&[Message::new("user", "Name three rivers in Europe.")]).unwrap();
+    agrees_with_engine(&target.model, &prompt, 24, 1e-2);
+}
+
+#[test]
+fn synthetic_greedy_tokens_match_the_engine() {
+    // HF safetensors: rotate-half RoPE, an untied head, Q/K/V biases.
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape { qkv_bias: true, ..Shape::tiny() };
+    synthetic::write_model(dir.path(), &shape, 3, DType::F32).unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    agrees_with_engine(&model, &[5, 17, 200, 3, 99, 42, 7], 32, 1e-4);
+}
+
+#[test]
+fn caches_roll_back_and_blocks_equal_single_steps() {
+    let shape = Config { layers: 2, vocab: 512, ..named_shape("smollm2-135m").unwrap() };
+    let llama = Llama::random(&shape, &Device::Cpu, DType::F32).unwrap();
+    let prompt: Vec<u32> = (0..9).map(|i| i * 37 % 512).collect();
+    let block = [11, 12, 13];
+
+    let mut cache = llama.new_cache();
+    llama.forward(&prompt, &mut cache).unwrap();
+    let first = llama.forward(&block, &mut cache).unwrap();
+    cache.truncate(prompt.len()).unwrap();
+    assert_eq!(cache.len(), prompt.len());
+    let again = llama.forward(&block, &mut cache).unwrap();
+    assert!(max_abs_diff(&again, &first.flatten_all().unwrap().to_vec1::<f32>().unwrap()) == 0.0);
+
+    let mut single = llama.new_cache();
+    llama.forward(&prompt, &mut single).unwrap();
+    let rows: Vec<Tensor> = block.iter().map(|&t| llama.forward(&[t], &mut single).unwrap()).collect();
+    let stepped = Tensor::cat(&rows, 0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(max_abs_diff(&first, &stepped) < 1e-4);
+
+    // The draft layer: a prefill of n positions then one step equals n + 1 positions at once.
+    let ids: Vec<u32> = (0..100).collect();
+    let eagle = EagleStep::random(&llama, &ids).unwrap();
+    let features = llama.forward(&prompt, &mut llama.new_cache()).unwrap();
+    let n = prompt.len() - 1;
+    let mut whole = eagle.new_cache();
+    let (all, best_all) = eagle.forward(&llama, &prompt[1..], &features.narrow(0, 0, n).unwrap(), &mut whole).unwrap();
+    let mut parts = eagle.new_cache();
+    eagle.forward(&llama, &prompt[1..n], &features.narrow(0, 0, n - 1).unwrap(), &mut parts).unwrap();
+    let (last, best_last) = eagle.forward(&llama, &prompt[n..], &features.narrow(0, n - 1, 1).unwrap(), &mut parts).unwrap();
+    assert!(max_abs_diff(&all, &last.flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-4);
+    assert_eq!(best_all, best_last);
+    assert!((best_all as usize) < ids.len());
+}
+
+#[test]
+fn bench_decode_on_the_candle_backend_compares_with_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    synthetic::write_model(dir.path(), &Shape::tiny(), 4, DType::F32).unwrap();
+    let out = frspec()
+        .args(["bench", "decode", "--model", dir.path().to_str().unwrap(), "--candle", "--compare-engine", "--json"])
+        .args(["--new-tokens", "12", "--runs", "2", "--ratios", "0,0.5", "--lengths", "2,3", "--prompt", "hi there"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let b: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(b["agreement"]["first_difference"], serde_json::Value::Null);
+    assert_eq!(b["agreement"]["device"].as_array().unwrap().len(), 12);
+    let drafts = b["drafts"].as_array().unwrap();
+    assert_eq!(drafts.len(), 2);
+    assert_eq!(drafts[1]["kept"], 130);
+    assert_eq!(drafts[0]["projected_tok_s"].as_array().unwrap().len(), 2);
+    let step = drafts[0]["speculative_step_secs"].as_f64().unwrap();
+    let expected = b["verify_secs"].as_f64().unwrap() + 4.0 * drafts[0]["draft_step_secs"].as_f64().unwrap();
+    assert!((step - expected).abs() < 1e-12 * step.max(1.0));
+
+    for (args, expect) in [
+        (vec!["--device", "cuda"], "without CUDA"),
+        (vec!["--candle", "--dtype", "f64"], "expected f32, f16 or bf16"),
+        (vec!["--shape", "llama99"], "expected llama31-8b"),
+        (vec!["--shape", "smollm2-135m", "--compare-engine"], "needs --model"),
+        (vec!["--candle", "--lengths", "0.5"], "at least 1"),
+    ] {
+        let out = frspec().args(["bench", "decode", "--model", dir.path().to_str().unwrap()]).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(1) && err.contains(expect), "{args:?}: {err}");
+    }
+}
