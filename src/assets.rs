@@ -27,8 +27,56 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
     ),
 ];
 
+/// What this repository made itself and ships inside the binary, so that any copy of frspec (an installed one, one
+/// whose checkout is gone) finds it: (name, folder in the cache, files).
+type Embedded = (&'static str, &'static str, &'static [(&'static str, &'static [u8])]);
+const EMBEDDED: &[Embedded] = &[(
+    "smollm2-eagle1",
+    "heads/smollm2-135m-eagle1",
+    &[
+        ("config.json", include_bytes!("../heads/smollm2-135m-eagle1/config.json")),
+        ("model.safetensors", include_bytes!("../heads/smollm2-135m-eagle1/model.safetensors")),
+    ],
+)];
+
+/// The folder holding an embedded asset's files, written into the cache on first use. Its name carries the files'
+/// digest, so binaries that ship different versions never share a folder.
+fn materialise(cache: &std::path::Path, rel: &str, files: &[(&str, &[u8])]) -> Result<PathBuf> {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for (name, bytes) in files {
+        hash.update(name.as_bytes());
+        hash.update(bytes);
+    }
+    let digest: String = hash.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect();
+    let dir = cache.join(format!("{rel}-{digest}"));
+    if files.iter().all(|(name, bytes)| std::fs::metadata(dir.join(name)).is_ok_and(|m| m.len() == bytes.len() as u64)) {
+        return Ok(dir);
+    }
+    // Written beside and renamed into place, so a reader never sees half a folder.
+    let partial = dir.with_extension(format!("partial-{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(&partial)?;
+        for (name, bytes) in files {
+            std::fs::write(partial.join(name), bytes)?;
+        }
+        std::fs::rename(&partial, &dir)
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_dir_all(&partial);
+        // Another process may have put it there first.
+        if !dir.is_dir() {
+            bail!("cannot write {}: {e}", dir.display());
+        }
+    }
+    Ok(dir)
+}
+
 /// The path of a named asset, or None when `name` is not one.
 pub fn named(name: &str) -> Option<Result<PathBuf>> {
+    if let Some(&(_, rel, files)) = EMBEDDED.iter().find(|(n, ..)| *n == name) {
+        return Some(materialise(&cache_dir(), rel, files));
+    }
     let &(_, rel, what, make) = NAMED.iter().find(|(n, ..)| *n == name)?;
     let path = cache_dir().join(rel);
     Some(if path.exists() {
@@ -47,7 +95,7 @@ pub fn local(spec: &str) -> Option<Result<PathBuf>> {
 }
 
 pub fn names() -> impl Iterator<Item = &'static str> {
-    NAMED.iter().map(|(n, ..)| *n)
+    NAMED.iter().map(|(n, ..)| *n).chain(EMBEDDED.iter().map(|(n, ..)| *n))
 }
 
 /// Resolve a named asset or fail with the list of names.
@@ -55,5 +103,28 @@ pub fn require(name: &str) -> Result<PathBuf> {
     match named(name) {
         Some(r) => r,
         None => bail!("no asset named {name} (known: {})", names().collect::<Vec<_>>().join(", ")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_files_are_written_once_into_a_folder_named_by_their_digest() {
+        let cache = tempfile::tempdir().unwrap();
+        let files: &[(&str, &[u8])] = &[("config.json", b"{}"), ("model.safetensors", b"weights")];
+        let dir = materialise(cache.path(), "heads/h", files).unwrap();
+        assert!(dir.starts_with(cache.path().join("heads")) && dir.file_name().unwrap().to_str().unwrap().starts_with("h-"));
+        assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), b"weights");
+        assert_eq!(materialise(cache.path(), "heads/h", files).unwrap(), dir);
+        let other = materialise(cache.path(), "heads/h", &[("config.json", b"{}"), ("model.safetensors", b"other weights")]).unwrap();
+        assert_ne!(other, dir);
+        assert_eq!(std::fs::read_dir(cache.path().join("heads")).unwrap().count(), 2, "no partial folder is left behind");
+    }
+
+    #[test]
+    fn the_shipped_head_is_a_named_asset() {
+        assert!(names().any(|n| n == crate::spec::SMOLLM2_HEAD));
     }
 }

@@ -106,29 +106,45 @@ impl Rope {
         Rope { inv_freq, style: RopeStyle::Halves }
     }
 
-    /// Rotate `x` `[heads, n, head_dim]` to positions `start..start + n`, computing in f32.
-    pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
-        let (heads, n, d) = x.dims3()?;
+    /// cos and sin of every rotated pair at positions `start..start + n`, for all layers of one forward.
+    pub fn at(&self, start: usize, n: usize, device: &Device) -> Result<RopeTables> {
         let half = self.inv_freq.len();
         // Angles formed in f32 and evaluated exactly, as the engine does.
         let angles: Vec<f64> = (0..n).flat_map(|i| self.inv_freq.iter().map(move |f| ((start + i) as f32 * f) as f64)).collect();
-        let table = |f: fn(f64) -> f64| -> Result<Tensor> {
-            Ok(Tensor::from_vec(angles.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), (n, half), x.device())?)
-        };
+        let table = |f: fn(f64) -> f64| -> Result<Tensor> { Ok(Tensor::from_vec(angles.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), (n, half), device)?) };
         let (cos, sin) = (table(f64::cos)?, table(f64::sin)?);
+        Ok(match self.style {
+            // Rotate-half pairs dimension j with j + d/2: the tables cover both halves.
+            RopeStyle::Halves => RopeTables { cos: Tensor::cat(&[&cos, &cos], 1)?, sin: Tensor::cat(&[&sin, &sin], 1)?, style: self.style },
+            RopeStyle::Interleaved => RopeTables { cos, sin, style: self.style },
+        })
+    }
+}
+
+/// RoPE at a fixed run of positions: cos and sin `[n, head_dim / 2]` (interleaved) or `[n, head_dim]` (halves).
+pub struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+    style: RopeStyle,
+}
+
+impl RopeTables {
+    /// Rotate `x` `[heads, n, head_dim]`, computing in f32.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let (heads, n, d) = x.dims3()?;
+        let half = d / 2;
+        let (cos, sin) = (&self.cos, &self.sin);
         let xf = x.to_dtype(DType::F32)?;
         let rotated = match self.style {
             RopeStyle::Halves => {
                 let (a, b) = (xf.narrow(2, 0, half)?, xf.narrow(2, half, half)?);
-                let cos2 = Tensor::cat(&[&cos, &cos], 1)?;
-                let sin2 = Tensor::cat(&[&sin, &sin], 1)?;
-                (xf.broadcast_mul(&cos2)? + Tensor::cat(&[&b.neg()?, &a], 2)?.broadcast_mul(&sin2)?)?
+                (xf.broadcast_mul(cos)? + Tensor::cat(&[&b.neg()?, &a], 2)?.broadcast_mul(sin)?)?
             }
             RopeStyle::Interleaved => {
                 let pairs = xf.reshape((heads, n, half, 2))?;
                 let (a, b) = (pairs.narrow(3, 0, 1)?.squeeze(3)?, pairs.narrow(3, 1, 1)?.squeeze(3)?);
-                let ra = (a.broadcast_mul(&cos)? - b.broadcast_mul(&sin)?)?;
-                let rb = (a.broadcast_mul(&sin)? + b.broadcast_mul(&cos)?)?;
+                let ra = (a.broadcast_mul(cos)? - b.broadcast_mul(sin)?)?;
+                let rb = (a.broadcast_mul(sin)? + b.broadcast_mul(cos)?)?;
                 Tensor::stack(&[&ra, &rb], 3)?.reshape((heads, n, d))?
             }
         };
@@ -239,15 +255,15 @@ impl Layer {
     }
 
     /// `x` `[n, hidden]` at positions `cache.len..`, appending its keys and values to `cache`.
-    fn forward(&self, s: &Config, rope: &Rope, x: &Tensor, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
+    fn forward(&self, s: &Config, rope: &RopeTables, x: &Tensor, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
         let n = x.dim(0)?;
         let normed = match &self.attn_norm {
             Some(w) => rms_norm(x, w, s.rms_eps as f64)?,
             None => x.clone(),
         };
         let heads = |t: Tensor, count: usize| -> Result<Tensor> { Ok(t.reshape((n, count, s.head_dim))?.transpose(0, 1)?.contiguous()?) };
-        let q = rope.apply(&heads(self.q.forward(&normed)?, s.heads)?, start)?;
-        let k = rope.apply(&heads(self.k.forward(&normed)?, s.kv_heads)?, start)?;
+        let q = rope.apply(&heads(self.q.forward(&normed)?, s.heads)?)?;
+        let k = rope.apply(&heads(self.k.forward(&normed)?, s.kv_heads)?)?;
         let v = heads(self.v.forward(&normed)?, s.kv_heads)?;
         let (k, v) = cache.append(k, v)?;
         let x = (x + self.o.forward(&attention(&q, &k, &v, start)?)?)?;
@@ -371,8 +387,9 @@ impl Llama {
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
         let start = cache.len;
         let mut x = self.embed(tokens)?;
+        let rope = self.rope.at(start, tokens.len(), &self.device)?;
         for (layer, kv) in self.layers.iter().zip(&mut cache.layers) {
-            x = layer.forward(&self.config, &self.rope, &x, kv, start)?;
+            x = layer.forward(&self.config, &rope, &x, kv, start)?;
         }
         cache.len = start + tokens.len();
         rms_norm(&x, &self.norm, self.config.rms_eps as f64)
@@ -441,7 +458,8 @@ impl EagleStep {
         let pair = Tensor::cat(&[&target.embed(tokens)?, features], 1)?;
         let x = self.fc.forward(&pair)?;
         let start = cache.len;
-        let out = self.layer.forward(&target.config, &self.rope, &x, &mut cache.layers[0], start)?;
+        let rope = self.rope.at(start, tokens.len(), &target.device)?;
+        let out = self.layer.forward(&target.config, &rope, &x, &mut cache.layers[0], start)?;
         cache.len = start + tokens.len();
         let last = out.narrow(0, tokens.len() - 1, 1)?;
         let best = argmax_rows(&last.matmul(&self.head.t()?)?)?[0];

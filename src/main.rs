@@ -207,7 +207,11 @@ enum Command {
         /// Conversations the target answers for training.
         #[arg(long, default_value_t = 1000)]
         prompts: usize,
-        /// Longest answer the target generates per prompt.
+        /// Teacher-forced conversations: a corpus passage to continue, answered by the passages that follow it
+        /// (the target reads them in one forward instead of generating), mixed into the training data.
+        #[arg(long, default_value_t = 0)]
+        continuations: usize,
+        /// Longest answer per conversation (generated, or corpus text for --continuations), in tokens.
         #[arg(long, default_value_t = 192)]
         max_new_tokens: usize,
         /// Optimisation steps; 0 writes the untrained initial head (for comparisons) without generating data.
@@ -549,7 +553,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, no_rollout, teacher_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, no_rollout, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -559,7 +563,7 @@ fn run(cli: Cli) -> Result<()> {
                 rule.validate()?;
             }
             let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout: !no_rollout };
-            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, max_new_tokens, settings, teacher_from, freq, keep, quiet };
+            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, continuations, max_new_tokens, settings, teacher_from, freq, keep, quiet };
             frspec::train::train_eagle(&options)?;
         }
         Command::Plot { dir } => {

@@ -137,8 +137,9 @@ fn to_object(spec: &SweepSpec) -> serde_json::Map<String, serde_json::Value> {
 
 pub const PRESETS: [&str; 2] = ["smollm2-eagle", "llama31-eagle"];
 
-/// The EAGLE-1 head this repository ships for SmolLM2-135M-Instruct (scripts/train-smollm2-head.sh).
-pub const SMOLLM2_HEAD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/heads/smollm2-135m-eagle1");
+/// The EAGLE-1 head this repository ships for SmolLM2-135M-Instruct (heads/, scripts/train-smollm2-head.sh), an
+/// asset compiled into the binary.
+pub const SMOLLM2_HEAD: &str = "smollm2-eagle1";
 
 pub fn preset(name: &str) -> Result<SweepSpec> {
     let ratios = Some(vec![0.0, 0.25, 0.5, 0.75, 0.9, 0.99]);

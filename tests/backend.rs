@@ -83,8 +83,12 @@ fn caches_roll_back_and_blocks_equal_single_steps() {
 
 #[test]
 fn bench_decode_on_the_candle_backend_compares_with_the_engine() {
+    // The model folder scripts/gpu-check.sh makes.
     let dir = tempfile::tempdir().unwrap();
-    synthetic::write_model(dir.path(), &Shape::tiny(), 4, DType::F32).unwrap();
+    let made = frspec().args(["synthetic-model", "--out", dir.path().to_str().unwrap(), "--hidden", "128", "--layers", "2", "--vocab", "260"]).output().unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let bad = frspec().args(["synthetic-model", "--out", dir.path().to_str().unwrap(), "--hidden", "100"]).output().unwrap();
+    assert!(bad.status.code() == Some(1) && String::from_utf8_lossy(&bad.stderr).contains("multiple of 64"));
     let out = frspec()
         .args(["bench", "decode", "--model", dir.path().to_str().unwrap(), "--candle", "--compare-engine", "--json"])
         .args(["--new-tokens", "12", "--runs", "2", "--ratios", "0,0.5", "--lengths", "2,3", "--prompt", "hi there"])

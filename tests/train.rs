@@ -72,3 +72,21 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     let worst = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(worst < 1e-3, "engine and training forward differ by {worst}");
 }
+
+#[test]
+fn teacher_forcing_the_targets_own_answer_gives_its_generation_features() {
+    let (_dir, target, data) = setup();
+    for c in &data[..3] {
+        assert_eq!(&train::forced(&target.model, c.tokens.clone(), c.prompt_len).unwrap(), c);
+    }
+    // A continuation is answered by the corpus passages that follow the one it quotes.
+    let lines = corpus();
+    let pairs = train::continuations(&lines, 5, 2).unwrap();
+    let passages: Vec<String> = lines.chunks(3).map(|c| c.join(" ")).collect();
+    for (prompt, answer) in &pairs {
+        let p = passages.iter().position(|x| prompt.ends_with(x.as_str())).expect("the prompt quotes a passage");
+        assert!(answer.starts_with(&passages[p + 1]), "{answer}");
+    }
+    let convs = train::teacher_forced(&target, &pairs, 10, &mut |_| {}).unwrap();
+    assert!(convs.iter().all(|c| c.tokens.len() == c.prompt_len + 10 && c.features.len() == (c.tokens.len() - 1) * 64));
+}

@@ -2,7 +2,10 @@
 //! (what the run is), teacher.safetensors (the cached teacher data), checkpoint.safetensors, training_log.jsonl and,
 //! at the end, the head itself (config.json + model.safetensors), which the engine's EAGLE-1 loader reads.
 
-use super::{checkpoint_due, export, load_teacher, prompts, save_teacher, teacher_data, Conversation, State, StepLog, TrainSettings, Trainer};
+use super::{
+    checkpoint_due, continuations, export, load_teacher, prompts, save_teacher, teacher_data, teacher_forced, Conversation, State, StepLog, TrainSettings,
+    Trainer,
+};
 use crate::target::Target;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
 use anyhow::{anyhow, bail, Context, Result};
@@ -17,6 +20,8 @@ pub struct TrainOptions {
     pub format: CorpusFormat,
     /// Conversations the target generates for training.
     pub prompts: usize,
+    /// Teacher-forced conversations whose answers are corpus text (0: none).
+    pub continuations: usize,
     pub max_new_tokens: usize,
     pub settings: TrainSettings,
     /// Another training folder whose teacher data this run may reuse.
@@ -39,13 +44,37 @@ fn plain(quiet: bool) -> bool {
     quiet || !std::io::stderr().is_terminal()
 }
 
+type Producer<'a> = dyn FnMut(&mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
+
+/// Conversations from their cache file, or made by `make` (with progress) and cached.
+fn cached(path: &std::path::Path, count: usize, label: &str, quiet: bool, hidden: usize, make: &mut Producer) -> Result<Vec<Conversation>> {
+    if path.exists() {
+        return load_teacher(path, hidden);
+    }
+    let b = bar(quiet, count, &format!("{label} {{bar:30}} {{pos}}/{{len}} conversations, {{msg}} tokens, ETA {{eta}}"))?;
+    let mut tokens = 0;
+    let (started, mut done) = (Instant::now(), 0);
+    let data = make(&mut |c| {
+        tokens += c.tokens.len();
+        done += 1;
+        b.set_message(tokens.to_string());
+        b.inc(1);
+        if plain(quiet) && done % 50 == 0 {
+            eprintln!("{label}: {done}/{count} conversations, {tokens} tokens, {:.0} s", started.elapsed().as_secs_f64());
+        }
+    })?;
+    b.finish();
+    save_teacher(path, &data, hidden)?;
+    Ok(data)
+}
+
 pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     let s = &o.settings;
     if s.batch == 0 || o.prompts == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
         bail!("--batch, --prompts, --max-new-tokens and --checkpoint-every must be at least 1");
     }
-    if s.batch > o.prompts {
-        bail!("--batch {} is larger than --prompts {}", s.batch, o.prompts);
+    if s.batch > o.prompts + o.continuations {
+        bail!("--batch {} is larger than --prompts {} and --continuations {} together", s.batch, o.prompts, o.continuations);
     }
     let files = crate::vocab::corpus_files(&o.corpus)?;
     let mut lines = Vec::new();
@@ -72,12 +101,23 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         "max_new_tokens": o.max_new_tokens,
         "seed": s.seed,
     });
-    let identity = serde_json::json!({
+    let continuation_identity = serde_json::json!({
+        "target_sha256": data_identity["target_sha256"],
+        "corpus": data_identity["corpus"],
+        "count": o.continuations,
+        "max_answer_tokens": o.max_new_tokens,
+        "seed": s.seed,
+    });
+    let mut identity = serde_json::json!({
         "data": data_identity,
         "settings": s,
         "keep": o.keep.map(|k| format!("{k:?}")),
         "freq": o.freq.as_ref().map(|f| f.display().to_string()),
     });
+    // Absent when unused, so folders made before continuations existed keep their identity.
+    if o.continuations > 0 {
+        identity["continuations"] = continuation_identity.clone();
+    }
     let run_json = o.out.join("run.json");
     if o.out.exists() && std::fs::read_dir(&o.out)?.next().is_some() {
         let text = std::fs::read_to_string(&run_json)
@@ -99,6 +139,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     }
     let hidden = target.model.config.hidden;
     let teacher_path = o.out.join("teacher.safetensors");
+    let continuations_path = o.out.join("continuations.safetensors");
     if let (false, Some(other)) = (teacher_path.exists(), &o.teacher_from) {
         let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
@@ -106,26 +147,16 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
             bail!("--teacher-from {}: its teacher data was made from another target, corpus, prompt count, answer length or seed", other.display());
         }
         std::fs::copy(other.join("teacher.safetensors"), &teacher_path).with_context(|| format!("cannot copy the teacher data of {}", other.display()))?;
+        if o.continuations > 0 && theirs["continuations"] == continuation_identity && other.join("continuations.safetensors").exists() {
+            std::fs::copy(other.join("continuations.safetensors"), &continuations_path)
+                .with_context(|| format!("cannot copy the continuations of {}", other.display()))?;
+        }
     }
-    let data: Vec<Conversation> = if teacher_path.exists() {
-        load_teacher(&teacher_path, hidden)?
-    } else {
-        let b = bar(o.quiet, prompts.len(), "teacher data {bar:30} {pos}/{len} conversations, {msg} tokens, ETA {eta}")?;
-        let mut tokens = 0;
-        let (started, mut done) = (Instant::now(), 0);
-        let data = teacher_data(&target, &prompts, o.max_new_tokens, &mut |c| {
-            tokens += c.tokens.len();
-            done += 1;
-            b.set_message(tokens.to_string());
-            b.inc(1);
-            if plain(o.quiet) && done % 50 == 0 {
-                eprintln!("teacher data: {done}/{} conversations, {tokens} tokens, {:.0} s", prompts.len(), started.elapsed().as_secs_f64());
-            }
-        })?;
-        b.finish();
-        save_teacher(&teacher_path, &data, hidden)?;
-        data
-    };
+    let mut data = cached(&teacher_path, prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| teacher_data(&target, &prompts, o.max_new_tokens, on_done))?;
+    if o.continuations > 0 {
+        let pairs = continuations(&lines, o.continuations, s.seed)?;
+        data.extend(cached(&continuations_path, pairs.len(), "continuations", o.quiet, hidden, &mut |on_done| teacher_forced(&target, &pairs, o.max_new_tokens, on_done))?);
+    }
 
     let trainer = Trainer { target: &target, data: &data, keep: keep.as_ref(), settings: s.clone() };
     let checkpoint_path = o.out.join("checkpoint.safetensors");
