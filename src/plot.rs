@@ -163,7 +163,7 @@ impl Charts<'_> {
     {
         let body = page(area, &self.labels.title)?;
         let baseline = self.cells.first().map_or(0.0, |c| c.baseline_ratio);
-        let base = if baseline == 0.0 { "vanilla".to_string() } else { format!("ratio {baseline}") };
+        let base = crate::summary::ratio_name(baseline);
         match name {
             "acceptance_length" => bands(
                 &body,
@@ -195,7 +195,7 @@ impl Charts<'_> {
                         .iter()
                         .filter(|c| c.temperature == *t)
                         .map(|c| Series {
-                            name: if c.ratio == 0.0 { "vanilla".into() } else { format!("ratio {}", c.ratio) },
+                            name: crate::summary::ratio_name(c.ratio),
                             points: c.per_position.iter().enumerate().map(|(i, e)| ((i + 1) as f64, *e)).collect(),
                         })
                         .collect();

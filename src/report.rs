@@ -23,7 +23,7 @@ pub fn table(cells: &[CellSummary], timings: &[CellTiming], markdown: bool) -> S
     let Some(first) = cells.first() else { return String::new() };
     let temperatures = crate::summary::temperatures(cells);
     let columns: Vec<&CellSummary> = cells.iter().filter(|c| c.temperature == first.temperature).collect();
-    let baseline = if first.baseline_ratio == 0.0 { "vanilla".to_string() } else { format!("ratio {}", first.baseline_ratio) };
+    let baseline = crate::summary::ratio_name(first.baseline_ratio);
     let mut rows: Vec<(String, Vec<String>)> = vec![
         ("ratio".into(), columns.iter().map(|c| ratio_label(c)).collect()),
         ("kept ids".into(), columns.iter().map(|c| c.kept.to_string()).collect()),

@@ -10,6 +10,11 @@ pub struct Sampling {
     pub top_p: f32,
 }
 
+/// Temperature 0 means greedy decoding: one pass stands for every repeat and ratio.
+pub fn is_greedy(temperature: f32) -> bool {
+    temperature == 0.0
+}
+
 impl Sampling {
     pub fn new(temperature: f32, top_p: f32) -> Result<Sampling> {
         if !(temperature >= 0.0 && temperature.is_finite()) {
@@ -24,7 +29,7 @@ impl Sampling {
     pub const GREEDY: Sampling = Sampling { temperature: 0.0, top_p: 1.0 };
 
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        is_greedy(self.temperature)
     }
 
     /// The distribution these settings put on `logits`, written into `probs`. Greedy is a point mass on the

@@ -50,6 +50,15 @@ pub struct CellTiming {
     pub head_ms: Option<f64>,
 }
 
+/// How plots and reports name a ratio: vanilla for the unpruned head.
+pub fn ratio_name(ratio: f64) -> String {
+    if ratio == 0.0 {
+        "vanilla".into()
+    } else {
+        format!("ratio {ratio}")
+    }
+}
+
 /// The temperatures of `cells`, in their order of first appearance.
 pub fn temperatures(cells: &[CellSummary]) -> Vec<f32> {
     cells.iter().fold(Vec::new(), |mut t, c| {
@@ -130,7 +139,7 @@ pub fn timings(plan: &Plan, kept: &[u64], head_ms: &[f64], runs: &[Run]) -> Vec<
                 draft_secs,
                 target_secs,
                 draft_ms_per_step: if drafts == 0 { 0.0 } else { 1e3 * draft_secs / drafts as f64 },
-                tokens_per_sec: (temperature != 0.0).then(|| generated as f64 / (draft_secs + target_secs).max(1e-9)),
+                tokens_per_sec: (!crate::sampling::is_greedy(temperature)).then(|| generated as f64 / (draft_secs + target_secs).max(1e-9)),
                 head_ms: Some(head_ms[ri]),
             }
         })

@@ -143,7 +143,7 @@ impl Observer for Observe<'_> {
     }
 
     fn turn(&mut self, run: &Run) {
-        let copy = run.temperature == 0.0 && (run.repeat > 0 || run.ratio != self.plan.ratios[0]);
+        let copy = crate::sampling::is_greedy(run.temperature) && (run.repeat > 0 || run.ratio != self.plan.ratios[0]);
         self.progress.turn(run, !copy);
     }
 

@@ -108,7 +108,7 @@ impl Plan {
         let mut out = Vec::new();
         for (ti, &t) in self.temperatures.iter().enumerate() {
             for prompt in 0..prompts {
-                if t == 0.0 {
+                if crate::sampling::is_greedy(t) {
                     out.push(UnitKey { temperature: ti, prompt, repeat: None });
                 } else {
                     out.extend((0..self.repeats).map(|r| UnitKey { temperature: ti, prompt, repeat: Some(r) }));
