@@ -2,18 +2,23 @@
 # Acceptance of the shipped SmolLM2 EAGLE-1 head on all 80 MT-Bench first turns (k = 4, T = 0, 128 new tokens),
 # beside an untrained head of the same shape and the truncated-target stand-in, and at ratios 0.5 / 0.75 / 0.9 with
 # the Brown frequency file. Writes results/train/eval/<draft>/ (summary, manifest, report.md).
-# Usage: scripts/eval-smollm2-head.sh [path to a frspec binary]
+# Usage: scripts/eval-smollm2-head.sh [path to a frspec binary] [trained|untrained|truncated16 ...]  (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 frspec=${1:-$(scripts/frspec-bin.sh)}
+shift || true
+wanted=("${@:-trained untrained truncated16}")
+wanted=" ${wanted[*]} "
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$work/untrained-head" --steps 0 --quiet
+[[ $wanted != *" untrained "* ]] ||
+  "$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$work/untrained-head" --steps 0 --quiet
 common=(--model smollm2 --dataset mt-bench --num-prompts 80 --temperatures 0 --repeats 1 --k 4 --max-new-tokens 128
         --turns 1 --freq brown-smollm2 --quiet)
 run() {
   local name=$1; shift
+  [[ $wanted == *" $name "* ]] || return 0
   "$frspec" sweep "${common[@]}" "$@" --out "$work/$name"
   mkdir -p "results/train/eval/$name"
   cp "$work/$name/summary.parquet" "$work/$name/timing_summary.parquet" "$work/$name/manifest.json" "results/train/eval/$name/"
