@@ -90,3 +90,25 @@ fn teacher_forcing_the_targets_own_answer_gives_its_generation_features() {
     let convs = train::teacher_forced(&target, &pairs, 10, &mut |_| {}).unwrap();
     assert!(convs.iter().all(|c| c.tokens.len() == c.prompt_len + 10 && c.features.len() == (c.tokens.len() - 1) * 64));
 }
+
+#[test]
+fn training_against_a_keep_set_learns_and_the_whole_vocabulary_as_keep_set_changes_nothing() {
+    let (_dir, target, data) = setup();
+    let all: Vec<&Conversation> = data.iter().collect();
+    let vocab = target.model.config.vocab;
+    let whole = frspec::vocab::KeepSet { ids: (0..vocab as u32).collect(), vocab };
+    let plain = Trainer { target: &target, data: &data, keep: None, settings: settings(5) };
+    let as_keep = Trainer { target: &target, data: &data, keep: Some(&whole), settings: settings(5) };
+    let state = plain.start().unwrap();
+    let (a, b) = (plain.evaluate(&state, &all).unwrap(), as_keep.evaluate(&state, &all).unwrap());
+    assert!((a.loss - b.loss).abs() < 1e-5 && a.top1 == b.top1, "{a:?} vs {b:?}");
+
+    // The byte tokens of the corpus and the chat specials; the head proposes only these.
+    let kept = frspec::vocab::KeepSet { ids: (32..128).chain([256, 257]).collect(), vocab };
+    let trainer = Trainer { target: &target, data: &data, keep: Some(&kept), settings: settings(30) };
+    let mut state = trainer.start().unwrap();
+    let before = trainer.evaluate(&state, &all).unwrap();
+    trainer.run(&mut state, 30, &mut |_, _| Ok(())).unwrap();
+    let after = trainer.evaluate(&state, &all).unwrap();
+    assert!(after.classification < before.classification && after.loss < before.loss, "{before:?} → {after:?}");
+}

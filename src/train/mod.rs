@@ -269,10 +269,10 @@ fn initial(d: &Config, seed: u64) -> Result<Vec<Tensor>> {
 /// The frozen pieces of the target the head trains against.
 struct Frozen {
     embedding: Tensor,
-    /// The full LM head, for the teacher distribution.
-    lm_head: Tensor,
-    /// The rows the head may propose (all, or the keep set's).
-    kept_rows: Option<Tensor>,
+    /// The LM-head rows the head may propose: all, or the keep set's. The teacher distribution is taken over the
+    /// same rows — the full softmax restricted to them and renormalised is the softmax of their logits — so a pruned
+    /// vocabulary also makes every step cheaper.
+    head: Tensor,
 }
 
 fn dequantized(m: &crate::tensor::Matrix) -> Result<Tensor> {
@@ -380,21 +380,14 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut Ch
 }
 
 /// The loss of one batch and what it measured.
-/// The teacher distribution at the counted rows and the head's rows of the LM head.
-struct Targets {
+/// The teacher distribution at the counted rows, over the head's rows of the LM head.
+struct Targets<'a> {
     p: Tensor,
-    head: Tensor,
+    head: &'a Tensor,
 }
 
-fn targets(frozen: &Frozen, b: &Batch) -> Result<Targets> {
-    let p = softmax(&b.teacher.matmul(&frozen.lm_head.t()?)?)?;
-    Ok(match &frozen.kept_rows {
-        Some(rows) => {
-            let kept = p.index_select(rows, 1)?;
-            Targets { p: kept.broadcast_div(&kept.sum_keepdim(1)?)?, head: frozen.lm_head.index_select(rows, 0)? }
-        }
-        None => Targets { p, head: frozen.lm_head.clone() },
-    })
+fn targets<'a>(frozen: &'a Frozen, b: &Batch) -> Result<Targets<'a>> {
+    Ok(Targets { p: softmax(&b.teacher.matmul(&frozen.head.t()?)?)?, head: &frozen.head })
 }
 
 /// Smooth-L1 against the teacher features + 0.1 × cross-entropy against the teacher distribution, at the counted
@@ -572,11 +565,12 @@ pub struct Trainer<'a> {
 impl Trainer<'_> {
     fn frozen(&self) -> Result<Frozen> {
         let m = &self.target.model;
-        let kept_rows = match self.keep {
-            Some(k) => Some(Tensor::from_vec(k.ids.clone(), k.ids.len(), &Device::Cpu)?),
-            None => None,
+        let lm_head = dequantized(m.lm_head())?;
+        let head = match self.keep {
+            Some(k) => lm_head.index_select(&Tensor::from_vec(k.ids.clone(), k.ids.len(), &Device::Cpu)?, 0)?,
+            None => lm_head,
         };
-        Ok(Frozen { embedding: dequantized(m.embedding())?, lm_head: dequantized(m.lm_head())?, kept_rows })
+        Ok(Frozen { embedding: dequantized(m.embedding())?, head })
     }
 
     /// A fresh state (step 0).
