@@ -395,6 +395,12 @@ impl Llama {
         rms_norm(&x, &self.norm, self.config.rms_eps as f64)
     }
 
+    /// Forward `tokens` at positions `cache.len()..`; the greedy token after the last of them.
+    pub fn greedy_next(&self, tokens: &[u32], cache: &mut Cache) -> Result<u32> {
+        let hidden = self.forward(tokens, cache)?;
+        Ok(argmax_rows(&self.logits(&hidden.narrow(0, tokens.len() - 1, 1)?)?)?[0])
+    }
+
     /// Full-vocabulary logits `[n, vocab]` of hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(hidden.matmul(&self.lm_head.t()?)?)
@@ -414,16 +420,12 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 /// Greedy continuation of `prompt` by `new_tokens` tokens, one forward per token.
 pub fn greedy(model: &Llama, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();
-    let hidden = model.forward(prompt, &mut cache)?;
-    let mut next = *argmax_rows(&model.logits(&hidden.narrow(0, prompt.len() - 1, 1)?)?)?.first().context("no logits")?;
-    let mut out = Vec::with_capacity(new_tokens);
+    let mut out = vec![model.greedy_next(prompt, &mut cache)?];
     while out.len() < new_tokens {
-        out.push(next);
-        if out.len() == new_tokens {
-            break;
-        }
-        next = argmax_rows(&model.logits(&model.forward(&[next], &mut cache)?)?)?[0];
+        let last = out[out.len() - 1];
+        out.push(model.greedy_next(&[last], &mut cache)?);
     }
+    out.truncate(new_tokens);
     Ok(out)
 }
 

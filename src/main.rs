@@ -720,16 +720,18 @@ fn run(cli: Cli) -> Result<()> {
             for r in &ratios {
                 KeepRule::Ratio(*r).validate()?;
             }
-            let (roof, points, kernel) = if device == "cpu" {
+            // `ran_on` ends the plot's title: where and through what the products ran.
+            let (roof, points, ran_on) = if device == "cpu" {
                 if hidden % 32 != 0 {
                     bail!("--hidden must be a multiple of 32 (the CPU kernels' block size), got {hidden}");
                 }
                 let roof = frspec::bench::roofline()?;
-                (roof, frspec::bench::head(hidden, vocab, &batch, &ratios, &dtype, roof)?, "frspec kernel")
+                let threads = frspec::tensor::pool().current_num_threads();
+                (roof, frspec::bench::head(hidden, vocab, &batch, &ratios, &dtype, roof)?, format!("{threads} threads, frspec kernel"))
             } else {
                 let (dev, dt) = (frspec::backend::device(&device)?, frspec::backend::dtype(&dtype)?);
                 let roof = frspec::bench::device::roofline(&dev, dt)?;
-                (roof, frspec::bench::device::head(hidden, vocab, &batch, &ratios, &dev, dt, roof)?, "candle matmul")
+                (roof, frspec::bench::device::head(hidden, vocab, &batch, &ratios, &dev, dt, roof)?, format!("{device}, candle matmul"))
             };
             println!(
                 "H = {hidden}, V = {vocab}, {dtype} weights on {device}; roofline there: {:.1} GB/s, {:.1} GFLOP/s",
@@ -746,11 +748,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(dir) = out {
                 std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
                 frspec::store::write_head_bench(&dir.join("head.parquet"), &points)?;
-                let title = if device == "cpu" {
-                    format!("H = {hidden}, V = {vocab}, {dtype} weights, {} threads, {kernel}", frspec::tensor::pool().current_num_threads())
-                } else {
-                    format!("H = {hidden}, V = {vocab}, {dtype}, {device}, {kernel}")
-                };
+                let title = format!("H = {hidden}, V = {vocab}, {dtype} weights, {ran_on}");
                 frspec::plot::head_latency(&dir.join("head_latency"), &points, &title)?;
             }
         }

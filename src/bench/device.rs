@@ -3,29 +3,18 @@
 
 use super::{median, median_secs, HeadPoint, Roofline};
 use crate::backend::{argmax_rows, greedy, streamed_parameters, EagleStep, Llama};
-use crate::model::Config;
-use crate::model::Model;
+use crate::model::{Config, Model};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use std::time::Instant;
 
-/// Bytes per element of `dtype`.
-fn elem(dtype: DType) -> usize {
-    dtype.size_in_bytes()
-}
-
-/// The device's ceilings as measured on it: a 1 GiB elementwise pass (read + write) and the best of five square
-/// products in `dtype` (8192³ on a GPU; on the CPU, the CPU probes).
+/// The device's ceilings as measured on it: its bandwidth and the best of five 8192³ products in `dtype` (on the
+/// CPU, the CPU probes).
 pub fn roofline(device: &Device, dtype: DType) -> Result<Roofline> {
     if device.is_cpu() {
         return super::roofline();
     }
-    let x = Tensor::ones(1usize << 28, DType::F32, device)?;
-    let copy = median_secs(|| {
-        std::hint::black_box(x.affine(1.0, 0.0)?);
-        Ok(device.synchronize()?)
-    })?;
     let n = 8192;
     let a = Tensor::ones((n, n), dtype, device)?;
     let mut best = f64::INFINITY;
@@ -37,7 +26,20 @@ pub fn roofline(device: &Device, dtype: DType) -> Result<Roofline> {
         device.synchronize()?;
         best = best.min(t.elapsed().as_secs_f64());
     }
-    Ok(Roofline { bytes_per_sec: 2.0 * (x.elem_count() * 4) as f64 / copy, flops_per_sec: 2.0 * (n * n * n) as f64 / best })
+    Ok(Roofline { bytes_per_sec: bandwidth(device)?, flops_per_sec: 2.0 * (n * n * n) as f64 / best })
+}
+
+/// Memory bandwidth as measured on the device: a 1 GiB elementwise pass (read + write); on the CPU, the read probe.
+pub fn bandwidth(device: &Device) -> Result<f64> {
+    if device.is_cpu() {
+        return Ok(super::read_bandwidth());
+    }
+    let x = Tensor::ones(1usize << 28, DType::F32, device)?;
+    let secs = median_secs(|| {
+        std::hint::black_box(x.affine(1.0, 0.0)?);
+        Ok(device.synchronize()?)
+    })?;
+    Ok(2.0 * (x.elem_count() * 4) as f64 / secs)
 }
 
 /// `bench head` on a device: draft logits `[B, H] × [H, V′]` in `dtype` (weights and activations), candle's matmul.
@@ -52,7 +54,7 @@ pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], devi
                 std::hint::black_box(x.matmul(&w.t()?)?);
                 Ok(device.synchronize()?)
             })?;
-            points.push(HeadPoint::new(ratio, kept, b, hidden, dtype.as_str(), kept * hidden * elem(dtype), elem(dtype), secs, roof));
+            points.push(HeadPoint::new(ratio, kept, b, hidden, dtype.as_str(), kept * hidden * dtype.size_in_bytes(), dtype.size_in_bytes(), secs, roof));
         }
     }
     Ok(points)
@@ -103,7 +105,7 @@ pub struct DeviceDecodeBench {
     pub prefill_tok_s: f64,
     /// Weight bytes one decode step reads ÷ its median time.
     pub decode_bytes_per_sec: f64,
-    /// The device's measured elementwise bandwidth, and the decode's share of it.
+    /// The device's measured bandwidth (`bandwidth`), and the decode's share of it.
     pub device_bytes_per_sec: f64,
     pub bandwidth_share: f64,
     /// Median seconds of a verification pass: k + 1 tokens forwarded, logits for all of them, argmax.
@@ -134,12 +136,11 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
     for run in 0..=s.runs {
         let t = Instant::now();
         let mut cache = model.new_cache();
-        let hidden = model.forward(s.prompt, &mut cache)?;
-        let mut next = argmax_rows(&model.logits(&hidden.narrow(0, s.prompt.len() - 1, 1)?)?)?[0];
+        let mut next = model.greedy_next(s.prompt, &mut cache)?;
         let prefill = t.elapsed().as_secs_f64();
         let t = Instant::now();
         for _ in 0..s.new_tokens {
-            next = argmax_rows(&model.logits(&model.forward(&[next], &mut cache)?)?)?[0];
+            next = model.greedy_next(&[next], &mut cache)?;
         }
         let decode = t.elapsed().as_secs_f64();
         // The first run warms up kernels and allocations.
@@ -199,8 +200,8 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         .transpose()
         .context("comparing greedy tokens with the CPU engine")?;
 
-    let weight_bytes = (streamed_parameters(&model.config) * elem(model.dtype)) as f64;
-    let device_bytes_per_sec = roofline(device, model.dtype)?.bytes_per_sec;
+    let weight_bytes = (streamed_parameters(&model.config) * model.dtype.size_in_bytes()) as f64;
+    let device_bytes_per_sec = bandwidth(device)?;
     let decode_bytes_per_sec = weight_bytes * decode_tok_s;
     Ok(DeviceDecodeBench {
         device: s.device.into(),

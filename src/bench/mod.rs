@@ -79,14 +79,12 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
 /// Greedy continuation of `prompt` by `new_tokens` tokens on the CPU engine, with no stop token.
 pub fn engine_greedy(model: &Model, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();
-    let mut logits = model.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?.logits;
-    let mut out = Vec::with_capacity(new_tokens);
+    let mut out = vec![argmax(&model.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?.logits)];
     while out.len() < new_tokens {
-        out.push(argmax(&logits));
-        if out.len() < new_tokens {
-            logits = model.forward(&out[out.len() - 1..], &mut cache, &[0], &[])?.logits;
-        }
+        let last = out[out.len() - 1];
+        out.push(argmax(&model.forward(&[last], &mut cache, &[0], &[])?.logits));
     }
+    out.truncate(new_tokens);
     Ok(out)
 }
 
