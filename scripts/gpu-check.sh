@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU and no network, with a frspec built elsewhere by
 #   eval "$(scripts/cuda-toolchain.sh)" && cargo build --release --features cuda
-# Downloads nothing: every model is synthetic. About 2 minutes on one H200; at most 8.
+# Downloads nothing: every model is synthetic. Planned for about 2 minutes on one H200 (not yet timed there); at most 8.
 #   1. agreement: greedy tokens of a synthetic model in f32 on the GPU against the CPU engine (exit 1 if they differ)
 #   2. bench head at Llama-3.1 size (H 4096, V 128256) in bf16, B = 1 … 1024, every ratio
 #   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s and its share of the measured

@@ -291,6 +291,11 @@ fn bad_training_input() {
     assert!(err.contains("lm_head.weight"), "{err}");
     assert!(!out.exists(), "no partial output");
 
+    // Continuations need a passage that has a next one; this corpus is one passage.
+    let err = fails(&[&base[..], &["--continuations", "2"]].concat(), &[]);
+    assert!(err.contains("fewer than two passages"), "{err}");
+    assert!(!out.exists(), "no partial output");
+
     // A folder holding another run.
     let mut ok_args: Vec<&str> = base.to_vec();
     ok_args.extend(["--steps", "2"]);

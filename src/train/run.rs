@@ -85,6 +85,8 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         bail!("the corpus ({}) holds no text", o.corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", "));
     }
     let prompts = prompts(&lines, o.prompts, s.seed)?;
+    // Made before anything is written, so a corpus that cannot give them leaves no folder behind.
+    let continuations = if o.continuations > 0 { continuations(&lines, o.continuations, s.seed)? } else { Vec::new() };
     let target = Target::load(&o.target)?;
     let keep = match (&o.keep, &o.freq) {
         (None, None) => None,
@@ -153,9 +155,10 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         }
     }
     let mut data = cached(&teacher_path, prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| teacher_data(&target, &prompts, o.max_new_tokens, on_done))?;
-    if o.continuations > 0 {
-        let pairs = continuations(&lines, o.continuations, s.seed)?;
-        data.extend(cached(&continuations_path, pairs.len(), "continuations", o.quiet, hidden, &mut |on_done| teacher_forced(&target, &pairs, o.max_new_tokens, on_done))?);
+    if !continuations.is_empty() {
+        data.extend(cached(&continuations_path, continuations.len(), "continuations", o.quiet, hidden, &mut |on_done| {
+            teacher_forced(&target, &continuations, o.max_new_tokens, on_done)
+        })?);
     }
 
     let trainer = Trainer { target: &target, data: &data, keep: keep.as_ref(), settings: s.clone() };
