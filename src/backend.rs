@@ -156,19 +156,42 @@ impl RopeTables {
 /// values `[kv_heads, start + n, d]`; returns `[n, heads · d]`. Scores and softmax in f32.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
-    let (kv_heads, total, _) = k.dims3()?;
-    let group = heads / kv_heads;
-    let expand = |t: &Tensor| -> Result<Tensor> {
-        Ok(t.to_dtype(DType::F32)?.unsqueeze(1)?.broadcast_as((kv_heads, group, total, d))?.reshape((heads, total, d))?)
-    };
-    let (k, v) = (expand(k)?, expand(v)?);
+    let (k, v) = (grouped(k, heads)?, grouped(v, heads)?);
+    let total = k.dim(1)?;
     let mut scores = (q.to_dtype(DType::F32)?.matmul(&k.t()?)? / (d as f64).sqrt())?;
     if n > 1 {
-        let mask: Vec<f32> = (0..n).flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-        scores = scores.broadcast_add(&Tensor::from_vec(mask, (n, total), q.device())?)?;
+        scores = scores.broadcast_add(&causal_mask(n, total, start, false, q.device())?)?;
     }
     let out = softmax(&scores)?.matmul(&v)?;
     Ok(out.transpose(0, 1)?.reshape((n, heads * d))?.to_dtype(q.dtype())?)
+}
+
+/// Attention as a draft step sees it after its first draft: query row i attends to the context rows `k`, `v` before
+/// it (0..i, computed from true target features) and to its own row `k_own`, `v_own` (computed from a predicted
+/// feature), all `[kv_heads, n, d]` for queries `[heads, n, d]` at positions 0..n; returns `[n, heads · d]`.
+pub fn attention_after_context(q: &Tensor, k: &Tensor, v: &Tensor, k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
+    let (heads, n, d) = q.dims3()?;
+    let (k, v, k_own, v_own) = (grouped(k, heads)?, grouped(v, heads)?, grouped(k_own, heads)?, grouped(v_own, heads)?);
+    let q = q.to_dtype(DType::F32)?;
+    let scale = (d as f64).sqrt();
+    let context = (q.matmul(&k.t()?)? / scale)?.broadcast_add(&causal_mask(n, n, 0, true, q.device())?)?;
+    let own = ((&q * &k_own)?.sum_keepdim(2)? / scale)?;
+    let p = softmax(&Tensor::cat(&[&context, &own], 2)?)?;
+    let out = (p.narrow(2, 0, n)?.matmul(&v)? + p.narrow(2, n, 1)?.broadcast_mul(&v_own)?)?;
+    Ok(out.transpose(0, 1)?.reshape((n, heads * d))?)
+}
+
+/// Keys or values `[kv_heads, n, d]` repeated for `heads` query heads (grouped-query attention), in f32.
+fn grouped(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let (kv_heads, n, d) = t.dims3()?;
+    Ok(t.to_dtype(DType::F32)?.unsqueeze(1)?.broadcast_as((kv_heads, heads / kv_heads, n, d))?.reshape((heads, n, d))?)
+}
+
+/// −∞ where key j lies after query i at position start + i (`strict`: or at it), else 0: `[n, total]`.
+fn causal_mask(n: usize, total: usize, start: usize, strict: bool, device: &Device) -> Result<Tensor> {
+    let hidden = move |i: usize, j: usize| j > start + i || (strict && j == start + i);
+    let mask: Vec<f32> = (0..n).flat_map(|i| (0..total).map(move |j| if hidden(i, j) { f32::NEG_INFINITY } else { 0.0 })).collect();
+    Ok(Tensor::from_vec(mask, (n, total), device)?)
 }
 
 /// `x · wᵀ (+ b)` with `w` `[out, in]`.

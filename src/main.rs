@@ -46,9 +46,10 @@ struct SpecArgs {
     /// eagle | eagle3 | model | truncated:N. Without it and without --draft, decoding is target-only.
     #[arg(long)]
     draft_kind: Option<DraftKind>,
-    /// Token frequencies that rank the vocabulary for pruning (frspec, FR-Spec or vLLM format).
+    /// Token frequencies that rank the vocabulary for pruning (frspec, FR-Spec or vLLM format), or a named one
+    /// such as brown-smollm2.
     #[arg(long)]
-    freq: Option<PathBuf>,
+    freq: Option<String>,
     /// Fraction of the vocabulary to prune from the draft head, in [0, 1).
     #[arg(long, conflicts_with_all = ["keep", "mass"])]
     ratio: Option<f64>,
@@ -94,7 +95,7 @@ impl SpecArgs {
             return Ok(None);
         }
         let freq = self.freq.as_ref().ok_or_else(|| anyhow::anyhow!("--ratio/--keep/--mass need --freq"))?;
-        let freqs = Frequencies::load(freq)?;
+        let freqs = Frequencies::open(freq)?;
         Ok(Some(freqs.keep_set(rule, target.model.config.vocab, &target.tokenizer.stop_ids)?))
     }
 }
@@ -237,9 +238,10 @@ enum Command {
         /// Reuse the teacher data of another training folder made from the same target, corpus, prompts and seed.
         #[arg(long)]
         teacher_from: Option<PathBuf>,
-        /// Train against a pruned vocabulary ranked by these frequencies (with --ratio or --keep).
+        /// Train against a pruned vocabulary ranked by these frequencies (a file or a named one such as
+        /// brown-smollm2; with --ratio or --keep).
         #[arg(long)]
-        freq: Option<PathBuf>,
+        freq: Option<String>,
         #[arg(long, conflicts_with = "keep")]
         ratio: Option<f64>,
         #[arg(long)]
@@ -368,8 +370,9 @@ enum BenchCommand {
         /// eagle | eagle3 | model | truncated:N.
         #[arg(long, default_value = "truncated:4")]
         draft_kind: DraftKind,
+        /// A frequency file or a named one such as brown-smollm2.
         #[arg(long)]
-        freq: PathBuf,
+        freq: String,
         #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5,0.75,0.9,0.95,0.99")]
         ratios: Vec<f64>,
         #[arg(long, default_value = "mt-bench")]
@@ -410,8 +413,9 @@ enum BenchCommand {
         /// eagle | eagle3 | model | truncated:N.
         #[arg(long, default_value = "truncated:2")]
         draft_kind: DraftKind,
+        /// A frequency file or a named one such as brown-smollm2.
         #[arg(long)]
-        freq: PathBuf,
+        freq: String,
         #[arg(long, value_delimiter = ',', default_value = "0.5,0.75,0.9,0.99")]
         ratios: Vec<f64>,
         #[arg(long, default_value_t = 4)]
@@ -563,6 +567,7 @@ fn run(cli: Cli) -> Result<()> {
                 rule.validate()?;
             }
             let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout: !no_rollout };
+            let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
             let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, continuations, max_new_tokens, settings, teacher_from, freq, keep, quiet };
             frspec::train::train_eagle(&options)?;
         }
@@ -760,7 +765,7 @@ fn run(cli: Cli) -> Result<()> {
                 KeepRule::Ratio(*r).validate()?;
             }
             let target = model.load()?;
-            let freqs = Frequencies::load(&freq)?;
+            let freqs = Frequencies::open(&freq)?;
             let mut d = frspec::draft::build(&draft_kind, draft.as_deref(), &target, &model.model)?;
             let rows = frspec::bench::draft_heads(&target, d.as_mut(), &freqs, &ratios, k, reps, "What is the capital of France?")?;
             if json {
@@ -786,7 +791,7 @@ fn run(cli: Cli) -> Result<()> {
                 KeepRule::Ratio(*r).validate()?;
             }
             let target = model.load()?;
-            let freqs = Frequencies::load(&freq)?;
+            let freqs = Frequencies::open(&freq)?;
             let questions = frspec::dataset::load(&dataset)?;
             let prompts = questions
                 .iter()

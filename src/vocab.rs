@@ -75,7 +75,17 @@ impl KeepSet {
     }
 }
 
+/// The file a frequency spec names: a named asset (such as brown-smollm2) or a path.
+pub fn freq_path(spec: &str) -> Result<PathBuf> {
+    crate::assets::named(spec).unwrap_or_else(|| Ok(PathBuf::from(spec)))
+}
+
 impl Frequencies {
+    /// A frequency file named by `freq_path`'s rules.
+    pub fn open(spec: &str) -> Result<Frequencies> {
+        Frequencies::load(&freq_path(spec)?)
+    }
+
     pub fn load(path: &Path) -> Result<Frequencies> {
         if !path.is_file() {
             bail!("frequency file {} does not exist", path.display());

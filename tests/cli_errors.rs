@@ -296,6 +296,12 @@ fn bad_training_input() {
     assert!(err.contains("fewer than two passages"), "{err}");
     assert!(!out.exists(), "no partial output");
 
+    // --freq takes the names a sweep takes; one not built in this cache says how to make it.
+    let empty_cache = tempfile::tempdir().unwrap();
+    let err = fails(&[&base[..], &["--freq", "brown-smollm2", "--ratio", "0.5"]].concat(), &[("FRSPEC_CACHE", empty_cache.path())]);
+    assert!(err.contains("freq/brown-smollm2.safetensors") && err.contains("scripts/build-freq.sh"), "{err}");
+    assert!(!out.exists(), "no partial output");
+
     // A folder holding another run.
     let mut ok_args: Vec<&str> = base.to_vec();
     ok_args.extend(["--steps", "2"]);

@@ -1,5 +1,6 @@
 //! EAGLE-1 head training on a tiny synthetic target: the loss falls, a resumed run continues exactly where an
-//! uninterrupted one is, and the exported head computes in the engine what it computed in training.
+//! uninterrupted one is, and the exported head computes in the engine what it computed in training (its rollout pass
+//! included).
 
 use frspec::draft::{Context, Draft, EagleDraft};
 use frspec::synthetic::{self, Shape};
@@ -71,6 +72,18 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     assert_eq!(got.len(), expected.len());
     let worst = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(worst < 1e-3, "engine and training forward differ by {worst}");
+
+    // The rollout pass computes what the engine's second draft of a step does: catch up on true features through
+    // draft position j − 1, then extend with t_{j+1}, fed the head's own output.
+    let rolled = train::rollout_outputs(&target.model, &exported, conv).unwrap();
+    let h = target.model.config.hidden;
+    for j in [1, conv.tokens.len() / 2, conv.tokens.len() - 2] {
+        draft.reset();
+        draft.catch_up(&Context { tokens: &conv.tokens[..=j], features: &conv.features[..j * h], layer_features: &[] }).unwrap();
+        let got = draft.extend(conv.tokens[j + 1]).unwrap();
+        let worst = got.iter().zip(&rolled[j * h..(j + 1) * h]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-3, "position {j}: engine's second draft and the rollout pass differ by {worst}");
+    }
 }
 
 #[test]

@@ -13,9 +13,9 @@ use crate::store;
 use crate::summary::{self, CellSummary, CellTiming};
 use crate::target::Target;
 use crate::vocab::{Frequencies, KeepRule};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 /// Calls of each draft head timed for timing_summary.parquet.
@@ -108,10 +108,6 @@ fn cells(settings: &Settings, vocab: usize) -> (Vec<KeepRule>, Vec<f64>) {
     }
 }
 
-fn local_path(spec: &str, what: &str) -> Result<PathBuf> {
-    crate::assets::local(spec).unwrap_or_else(|| Err(anyhow!("{what} {spec}: no such file")))
-}
-
 fn digest(role: &str, path: &Path, files: &mut BTreeMap<String, FileDigest>) -> Result<()> {
     files.insert(role.into(), FileDigest { path: path.display().to_string(), sha256: manifest::sha256(path)? });
     Ok(())
@@ -164,7 +160,7 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
     let vocab = target.model.config.vocab;
     let (rules, ratios) = cells(settings, vocab);
     let plan = plan(settings, ratios);
-    let freq_path = settings.freq.as_deref().map(|f| local_path(f, "frequency file")).transpose()?;
+    let freq_path = settings.freq.as_deref().map(crate::vocab::freq_path).transpose()?;
     let freqs = freq_path.as_deref().map(Frequencies::load).transpose()?;
     let mut keeps = Vec::new();
     for rule in &rules {

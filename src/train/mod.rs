@@ -11,7 +11,7 @@
 //! The forward here is written in candle tensor operations because training needs autograd; the engine's own
 //! kernels (model.rs) run the trained head. A test checks the two agree.
 
-use crate::backend::{self, attention, rms_norm, softmax, Rope};
+use crate::backend::{self, attention, attention_after_context, rms_norm, softmax, Rope};
 use crate::chat::Message;
 use crate::model::{Config, Model};
 use crate::store::write_atomic;
@@ -284,26 +284,50 @@ fn log_softmax(x: &Tensor) -> Result<Tensor> {
     Ok(shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)?)
 }
 
-/// The head's layer outputs for packed pairs `x` `[rows, 2H]` (embedding, feature) made of sequences of `lens`.
-fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize]) -> Result<Tensor> {
+/// Keys and values of each sequence of a pass, after RoPE: what later draft positions attend to.
+type Keys = Vec<(Tensor, Tensor)>;
+
+/// The head's layer outputs for packed pairs `x` `[rows, 2H]` (embedding, feature) made of sequences of `lens`, and
+/// their keys and values. Each row attends causally to its own sequence, or with `context` (the keys and values of
+/// a pass on true features) to the context rows before it and to itself, as a draft step after the first does.
+fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], context: Option<&Keys>) -> Result<(Tensor, Keys)> {
     let [fc, q, k, v, o, norm, gate, up, down] = w else { unreachable!("nine tensors") };
     let h = pairs.matmul(&fc.t()?)?;
     let (qs, ks, vs) = (h.matmul(&q.t()?)?, h.matmul(&k.t()?)?, h.matmul(&v.t()?)?);
     let rope = Rope::halves(d.rope_theta as f64, d.head_dim);
     let mut outs = Vec::with_capacity(lens.len());
+    let mut keys = Vec::with_capacity(lens.len());
     let mut start = 0;
-    for &n in lens {
+    for (s, &n) in lens.iter().enumerate() {
         let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
         let tables = rope.at(0, n, pairs.device())?;
-        let (qh, kh) = (tables.apply(&heads(&qs, d.heads)?)?, tables.apply(&heads(&ks, d.kv_heads)?)?);
-        outs.push(attention(&qh, &kh, &heads(&vs, d.kv_heads)?, 0)?);
+        let (qh, kh, vh) = (tables.apply(&heads(&qs, d.heads)?)?, tables.apply(&heads(&ks, d.kv_heads)?)?, heads(&vs, d.kv_heads)?);
+        outs.push(match context {
+            None => attention(&qh, &kh, &vh, 0)?,
+            Some(c) => attention_after_context(&qh, &c[s].0, &c[s].1, &kh, &vh)?,
+        });
+        keys.push((kh, vh));
         start += n;
     }
     let attn = Tensor::cat(&outs, 0)?;
     let h = (h + attn.matmul(&o.t()?)?)?;
     let x = rms_norm(&h, norm, d.rms_eps as f64)?;
     let act = x.matmul(&gate.t()?)?.silu()?.mul(&x.matmul(&up.t()?)?)?;
-    Ok((h + act.matmul(&down.t()?)?)?)
+    Ok(((h + act.matmul(&down.t()?)?)?, keys))
+}
+
+/// The features a second draft step is fed: at each position after the first of its sequence, what the head
+/// predicted for it one position earlier (`out`, detached); the first keeps its true feature.
+fn fed_back(feats: &Tensor, out: &Tensor, lens: &[usize]) -> Result<Tensor> {
+    let rows = feats.dims2()?.0;
+    let mut index = Vec::with_capacity(rows);
+    for &n in lens {
+        let start = index.len() as u32;
+        index.push(start);
+        index.extend((start + 1..start + n as u32).map(|r| rows as u32 + r - 1));
+    }
+    let pool = Tensor::cat(&[feats, &out.detach()], 0)?;
+    Ok(pool.index_select(&Tensor::from_vec(index, rows, feats.device())?, 0)?)
 }
 
 /// What one optimisation step saw.
@@ -405,24 +429,17 @@ fn objective(out: &Tensor, b: &Batch, t: &Targets) -> Result<(Tensor, [f64; 3])>
 }
 
 /// The loss of one batch. Pass 1 feeds true features. With `rollout`, pass 2 feeds every position after the first
-/// of its sequence the feature pass 1 predicted for it (detached), as drafting feeds the head its own outputs from
-/// the second draft on; its loss is added with the same weight.
+/// of its sequence the feature pass 1 predicted for it (detached) and lets it attend to the pass-1 rows before it:
+/// what the second draft of a step sees (true-feature rows in the cache, its own predicted feature). Its loss is
+/// added with the same weight.
 fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, rollout: bool) -> Result<(Tensor, StepLog)> {
     let t = targets(frozen, b)?;
-    let out = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens)?;
+    let (out, keys) = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens, None)?;
     let (mut total, [regression, classification, top1]) = objective(&out, b, &t)?;
     let mut log = StepLog { regression, classification, top1, positions: b.counted.dims1()?, ..StepLog::default() };
     if rollout {
-        let rows = b.feats.dims2()?.0;
-        let mut index = Vec::with_capacity(rows);
-        for &n in &b.lens {
-            let start = index.len() as u32;
-            index.push(start);
-            index.extend((start + 1..start + n as u32).map(|r| rows as u32 + r - 1));
-        }
-        let pool = Tensor::cat(&[&b.feats, &out.detach()], 0)?;
-        let fed = pool.index_select(&Tensor::from_vec(index, rows, &Device::Cpu)?, 0)?;
-        let out2 = forward(d, w, &Tensor::cat(&[&b.emb, &fed], 1)?, &b.lens)?;
+        let fed = fed_back(&b.feats, &out, &b.lens)?;
+        let (out2, _) = forward(d, w, &Tensor::cat(&[&b.emb, &fed], 1)?, &b.lens, Some(&keys))?;
         let (second, [_, _, top1]) = objective(&out2, b, &t)?;
         total = (total + second)?;
         log.rollout_top1 = Some(top1);
@@ -633,12 +650,29 @@ pub fn export(dir: &Path, state: &State, target: &Model) -> Result<()> {
 
 /// The head's logits (full vocabulary) at every draft position of `conv`, teacher-forced: `[tokens - 1, vocab]`.
 pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
-    let d = &target.config;
+    let (pairs, w) = teacher_forced_pairs(target, state, conv)?;
+    let n = conv.tokens.len() - 1;
+    let (out, _) = forward(&target.config, &w, &pairs, &[n], None)?;
+    Ok(out.matmul(&dequantized(target.lm_head())?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// The layer outputs of the rollout pass along `conv` (no noise): row j is what a second draft step at position j
+/// computes from the head's own prediction of f_j, `[tokens - 1, hidden]`.
+pub fn rollout_outputs(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
+    let (pairs, w) = teacher_forced_pairs(target, state, conv)?;
+    let (d, n) = (&target.config, conv.tokens.len() - 1);
+    let (out, keys) = forward(d, &w, &pairs, &[n], None)?;
+    let emb = pairs.narrow(1, 0, d.hidden)?;
+    let fed = fed_back(&pairs.narrow(1, d.hidden, d.hidden)?, &out, &[n])?;
+    let (out2, _) = forward(d, &w, &Tensor::cat(&[&emb, &fed], 1)?, &[n], Some(&keys))?;
+    Ok(out2.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// The pairs (embedding of t_{i+1}, f_i) along `conv` and the state's weights.
+fn teacher_forced_pairs(target: &Model, state: &State, conv: &Conversation) -> Result<(Tensor, Vec<Tensor>)> {
     let n = conv.tokens.len() - 1;
     let embedding = dequantized(target.embedding())?;
     let emb = embedding.index_select(&Tensor::from_vec(conv.tokens[1..].to_vec(), n, &Device::Cpu)?, 0)?;
-    let feats = Tensor::from_vec(conv.features.clone(), (n, d.hidden), &Device::Cpu)?;
-    let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let out = forward(d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[n])?;
-    Ok(out.matmul(&dequantized(target.lm_head())?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+    let feats = Tensor::from_vec(conv.features.clone(), (n, target.config.hidden), &Device::Cpu)?;
+    Ok((Tensor::cat(&[&emb, &feats], 1)?, state.vars.iter().map(|v| v.as_tensor().clone()).collect()))
 }
