@@ -17,7 +17,7 @@ run="$cache/train/smollm2-135m-eagle1-keep75"
 start=$(date +%s)
 "$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$run" \
   --prompts 600 --continuations 3000 --max-new-tokens 160 --steps 5400 --batch 4 --lr 1e-3 --warmup 40 \
-  --checkpoint-every 100 --seed 0 --no-rollout --freq brown-smollm2 --ratio 0.75 "$@"
+  --checkpoint-every 100 --seed 0 --freq brown-smollm2 --ratio 0.75 "$@"
 echo "recipe wall time: $(( $(date +%s) - start )) s"
 mkdir -p heads/smollm2-135m-eagle1
 cp "$run/config.json" "$run/model.safetensors" "$run/training_log.jsonl" "$run/training_curve.png" "$run/training_curve.svg" heads/smollm2-135m-eagle1/

@@ -232,9 +232,10 @@ enum Command {
         checkpoint_every: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Train on true features only (no second pass fed the head's own predicted features).
+        /// Also train the second draft of a step: a pass fed the head's own predicted features. It doubles the step
+        /// cost and has not paid on SmolLM2 (results/train), so it is off unless asked for.
         #[arg(long)]
-        no_rollout: bool,
+        rollout: bool,
         /// Reuse the teacher data of another training folder made from the same target, corpus, prompts and seed.
         #[arg(long)]
         teacher_from: Option<PathBuf>,
@@ -557,7 +558,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, no_rollout, teacher_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -566,7 +567,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(rule) = keep {
                 rule.validate()?;
             }
-            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout: !no_rollout };
+            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout };
             let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
             let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, continuations, max_new_tokens, settings, teacher_from, freq, keep, quiet };
             frspec::train::train_eagle(&options)?;
