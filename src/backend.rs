@@ -168,17 +168,18 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Ten
 
 /// Attention as a draft step sees it after its first draft: query row i attends to the context rows `k`, `v` before
 /// it (0..i, computed from true target features) and to its own row `k_own`, `v_own` (computed from a predicted
-/// feature), all `[kv_heads, n, d]` for queries `[heads, n, d]` at positions 0..n; returns `[n, heads · d]`.
+/// feature), all `[kv_heads, n, d]` for queries `[heads, n, d]` at positions 0..n; returns `[n, heads · d]`. Scores
+/// and softmax in f32, as in `attention`.
 pub fn attention_after_context(q: &Tensor, k: &Tensor, v: &Tensor, k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
     let (k, v, k_own, v_own) = (grouped(k, heads)?, grouped(v, heads)?, grouped(k_own, heads)?, grouped(v_own, heads)?);
-    let q = q.to_dtype(DType::F32)?;
+    let qf = q.to_dtype(DType::F32)?;
     let scale = (d as f64).sqrt();
-    let context = (q.matmul(&k.t()?)? / scale)?.broadcast_add(&causal_mask(n, n, 0, true, q.device())?)?;
-    let own = ((&q * &k_own)?.sum_keepdim(2)? / scale)?;
+    let context = (qf.matmul(&k.t()?)? / scale)?.broadcast_add(&causal_mask(n, n, 0, true, q.device())?)?;
+    let own = ((&qf * &k_own)?.sum_keepdim(2)? / scale)?;
     let p = softmax(&Tensor::cat(&[&context, &own], 2)?)?;
     let out = (p.narrow(2, 0, n)?.matmul(&v)? + p.narrow(2, n, 1)?.broadcast_mul(&v_own)?)?;
-    Ok(out.transpose(0, 1)?.reshape((n, heads * d))?)
+    Ok(out.transpose(0, 1)?.reshape((n, heads * d))?.to_dtype(q.dtype())?)
 }
 
 /// Keys or values `[kv_heads, n, d]` repeated for `heads` query heads (grouped-query attention), in f32.

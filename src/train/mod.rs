@@ -316,9 +316,10 @@ fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], context: Op
     Ok(((h + act.matmul(&down.t()?)?)?, keys))
 }
 
-/// The features a second draft step is fed: at each position after the first of its sequence, what the head
-/// predicted for it one position earlier (`out`, detached); the first keeps its true feature.
-fn fed_back(feats: &Tensor, out: &Tensor, lens: &[usize]) -> Result<Tensor> {
+/// The rollout pass after a pass on true features `feats` gave `out` and `keys`: each position after the first of
+/// its sequence is fed what the head predicted for it one position earlier (detached; the first keeps its true
+/// feature) and attends to the true-feature rows before it and to itself.
+fn rollout_pass(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, out: &Tensor, keys: &Keys, lens: &[usize]) -> Result<Tensor> {
     let rows = feats.dims2()?.0;
     let mut index = Vec::with_capacity(rows);
     for &n in lens {
@@ -327,7 +328,8 @@ fn fed_back(feats: &Tensor, out: &Tensor, lens: &[usize]) -> Result<Tensor> {
         index.extend((start + 1..start + n as u32).map(|r| rows as u32 + r - 1));
     }
     let pool = Tensor::cat(&[feats, &out.detach()], 0)?;
-    Ok(pool.index_select(&Tensor::from_vec(index, rows, feats.device())?, 0)?)
+    let fed = pool.index_select(&Tensor::from_vec(index, rows, feats.device())?, 0)?;
+    Ok(forward(d, w, &Tensor::cat(&[emb, &fed], 1)?, lens, Some(keys))?.0)
 }
 
 /// What one optimisation step saw.
@@ -438,8 +440,7 @@ fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, rollout: bool) -> 
     let (mut total, [regression, classification, top1]) = objective(&out, b, &t)?;
     let mut log = StepLog { regression, classification, top1, positions: b.counted.dims1()?, ..StepLog::default() };
     if rollout {
-        let fed = fed_back(&b.feats, &out, &b.lens)?;
-        let (out2, _) = forward(d, w, &Tensor::cat(&[&b.emb, &fed], 1)?, &b.lens, Some(&keys))?;
+        let out2 = rollout_pass(d, w, &b.emb, &b.feats, &out, &keys, &b.lens)?;
         let (second, [_, _, top1]) = objective(&out2, b, &t)?;
         total = (total + second)?;
         log.rollout_top1 = Some(top1);
@@ -650,29 +651,25 @@ pub fn export(dir: &Path, state: &State, target: &Model) -> Result<()> {
 
 /// The head's logits (full vocabulary) at every draft position of `conv`, teacher-forced: `[tokens - 1, vocab]`.
 pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
-    let (pairs, w) = teacher_forced_pairs(target, state, conv)?;
-    let n = conv.tokens.len() - 1;
-    let (out, _) = forward(&target.config, &w, &pairs, &[n], None)?;
+    let (emb, feats, w) = teacher_forced_inputs(target, state, conv)?;
+    let (out, _) = forward(&target.config, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[conv.tokens.len() - 1], None)?;
     Ok(out.matmul(&dequantized(target.lm_head())?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// The layer outputs of the rollout pass along `conv` (no noise): row j is what a second draft step at position j
 /// computes from the head's own prediction of f_j, `[tokens - 1, hidden]`.
 pub fn rollout_outputs(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
-    let (pairs, w) = teacher_forced_pairs(target, state, conv)?;
-    let (d, n) = (&target.config, conv.tokens.len() - 1);
-    let (out, keys) = forward(d, &w, &pairs, &[n], None)?;
-    let emb = pairs.narrow(1, 0, d.hidden)?;
-    let fed = fed_back(&pairs.narrow(1, d.hidden, d.hidden)?, &out, &[n])?;
-    let (out2, _) = forward(d, &w, &Tensor::cat(&[&emb, &fed], 1)?, &[n], Some(&keys))?;
-    Ok(out2.flatten_all()?.to_vec1::<f32>()?)
+    let (emb, feats, w) = teacher_forced_inputs(target, state, conv)?;
+    let (d, lens) = (&target.config, [conv.tokens.len() - 1]);
+    let (out, keys) = forward(d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &lens, None)?;
+    Ok(rollout_pass(d, &w, &emb, &feats, &out, &keys, &lens)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// The pairs (embedding of t_{i+1}, f_i) along `conv` and the state's weights.
-fn teacher_forced_pairs(target: &Model, state: &State, conv: &Conversation) -> Result<(Tensor, Vec<Tensor>)> {
+/// The embeddings of t_{i+1} and the features f_i along `conv`, and the state's weights.
+fn teacher_forced_inputs(target: &Model, state: &State, conv: &Conversation) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
     let n = conv.tokens.len() - 1;
     let embedding = dequantized(target.embedding())?;
     let emb = embedding.index_select(&Tensor::from_vec(conv.tokens[1..].to_vec(), n, &Device::Cpu)?, 0)?;
     let feats = Tensor::from_vec(conv.features.clone(), (n, target.config.hidden), &Device::Cpu)?;
-    Ok((Tensor::cat(&[&emb, &feats], 1)?, state.vars.iter().map(|v| v.as_tensor().clone()).collect()))
+    Ok((emb, feats, state.vars.iter().map(|v| v.as_tensor().clone()).collect()))
 }
