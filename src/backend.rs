@@ -444,13 +444,7 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 /// Greedy continuation of `prompt` by `new_tokens` tokens, one forward per token.
 pub fn greedy(model: &Llama, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();
-    let mut out = vec![model.greedy_next(prompt, &mut cache)?];
-    while out.len() < new_tokens {
-        let last = out[out.len() - 1];
-        out.push(model.greedy_next(&[last], &mut cache)?);
-    }
-    out.truncate(new_tokens);
-    Ok(out)
+    crate::decode::greedy_steps(prompt, new_tokens, |tokens| model.greedy_next(tokens, &mut cache))
 }
 
 /// An EAGLE-1 draft layer with random weights of the target's shape, and its FR-Spec head (the target's LM-head rows

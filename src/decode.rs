@@ -265,35 +265,79 @@ pub struct Continuation {
     pub secs: f64,
 }
 
+/// `new_tokens` greedy tokens after `prompt`, with no stop token: `next` forwards the tokens it is given on top of
+/// what it has seen (first the prompt, then each new token) and returns the argmax after the last.
+pub fn greedy_steps(prompt: &[u32], new_tokens: usize, mut next: impl FnMut(&[u32]) -> Result<u32>) -> Result<Vec<u32>> {
+    let mut out = vec![next(prompt)?];
+    while out.len() < new_tokens {
+        let last = out[out.len() - 1];
+        out.push(next(&[last])?);
+    }
+    out.truncate(new_tokens);
+    Ok(out)
+}
+
 /// Generate greedily one token at a time after `prompt`, keeping every position's features and the inputs of
 /// `layers`.
 pub fn greedy_continuation(target: &Model, stop_ids: &[u32], prompt: &[u32], max_new_tokens: usize, layers: &[usize]) -> Result<Continuation> {
-    if prompt.is_empty() {
+    Ok(greedy_continuations(target, stop_ids, &[prompt], max_new_tokens, layers)?.remove(0))
+}
+
+/// Greedy continuations of several prompts decoded together: each prompt is prefilled alone, then each step
+/// forwards the newest token of every unfinished sequence as one block (`Model::forward_batch`), so a step's pass
+/// over the weights serves them all. Each continuation is what the prompt gets alone, bit for bit; `secs` is the
+/// call's wall time shared equally.
+pub fn greedy_continuations<P: AsRef<[u32]>>(target: &Model, stop_ids: &[u32], prompts: &[P], max_new_tokens: usize, layers: &[usize]) -> Result<Vec<Continuation>> {
+    let prompts: Vec<&[u32]> = prompts.iter().map(|p| p.as_ref()).collect();
+    if prompts.iter().any(|p| p.is_empty()) {
         bail!("empty prompt");
     }
     let t0 = Instant::now();
     let ctx_limit = target.config.context_length;
-    let mut cache = target.new_cache();
-    let mut fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], layers)?;
-    let mut features = fwd.hidden.clone();
-    let mut captured: Vec<Vec<f32>> = fwd.layer_inputs.clone();
-    let mut tokens = prompt.to_vec();
-    let stop = loop {
+    let mut seqs = Vec::with_capacity(prompts.len());
+    let mut caches = Vec::with_capacity(prompts.len());
+    for prompt in &prompts {
+        let mut cache = target.new_cache();
+        let fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], layers)?;
         let next = crate::sampling::argmax(&fwd.logits);
-        tokens.push(next);
-        let generated = tokens.len() - prompt.len();
-        if stop_ids.contains(&next) {
-            break StopReason::EndOfTurn;
-        } else if generated == max_new_tokens {
-            break StopReason::MaxTokens;
-        } else if cache.len() + 1 >= ctx_limit {
-            break StopReason::ContextLimit;
+        seqs.push((Continuation { tokens: prompt.to_vec(), features: fwd.hidden, captured: fwd.layer_inputs, stop: StopReason::MaxTokens, secs: 0.0 }, next));
+        caches.push(cache);
+    }
+    let (h, mut active): (usize, Vec<usize>) = (target.config.hidden, (0..prompts.len()).collect());
+    let mut tokens = Vec::with_capacity(prompts.len());
+    while !active.is_empty() {
+        // Take each sequence's next token; those that stop leave the batch.
+        active.retain(|&i| {
+            let (c, next) = &mut seqs[i];
+            c.tokens.push(*next);
+            let stop = if stop_ids.contains(next) {
+                Some(StopReason::EndOfTurn)
+            } else if c.tokens.len() - prompts[i].len() == max_new_tokens {
+                Some(StopReason::MaxTokens)
+            } else if caches[i].len() + 1 >= ctx_limit {
+                Some(StopReason::ContextLimit)
+            } else {
+                None
+            };
+            c.stop = stop.unwrap_or(c.stop);
+            stop.is_none()
+        });
+        if active.is_empty() {
+            break;
         }
-        fwd = target.forward(&[next], &mut cache, &[0], layers)?;
-        features.extend_from_slice(&fwd.hidden);
-        captured.iter_mut().zip(&fwd.layer_inputs).for_each(|(c, l)| c.extend_from_slice(l));
-    };
-    Ok(Continuation { tokens, features, captured, stop, secs: t0.elapsed().as_secs_f64() })
+        tokens.clear();
+        tokens.extend(active.iter().map(|&i| seqs[i].1));
+        let mut batch: Vec<&mut crate::model::Cache> = caches.iter_mut().enumerate().filter(|(i, _)| active.binary_search(i).is_ok()).map(|(_, c)| c).collect();
+        let fwd = target.forward_batch(&tokens, &mut batch, layers)?;
+        for (row, &i) in active.iter().enumerate() {
+            let (c, next) = &mut seqs[i];
+            c.features.extend_from_slice(&fwd.hidden[row * h..(row + 1) * h]);
+            c.captured.iter_mut().zip(&fwd.layer_inputs).for_each(|(c, l)| c.extend_from_slice(&l[row * h..(row + 1) * h]));
+            *next = crate::sampling::argmax(&fwd.logits[row * target.config.vocab..(row + 1) * target.config.vocab]);
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64() / prompts.len() as f64;
+    Ok(seqs.into_iter().map(|(c, _)| Continuation { secs, ..c }).collect())
 }
 
 /// Greedy (T = 0) speculative decoding for several drafts at once. Greedy output does not depend on the draft,

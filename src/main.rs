@@ -236,6 +236,10 @@ enum Command {
         /// cost and has not paid on SmolLM2 (results/train), so it is off unless asked for.
         #[arg(long)]
         rollout: bool,
+        /// Weight of the cross-entropy against the target's next-token distribution beside the feature regression
+        /// (EAGLE-1's 0.1).
+        #[arg(long, default_value_t = frspec::train::EAGLE_CLASSIFICATION_WEIGHT)]
+        classification_weight: f64,
         /// Reuse the teacher data of another training folder made from the same target, corpus, prompts and seed.
         #[arg(long)]
         teacher_from: Option<PathBuf>,
@@ -335,6 +339,9 @@ enum BenchCommand {
         /// Engine only: tokens of the block forward compared with a one-token forward.
         #[arg(long, default_value_t = 5)]
         block: usize,
+        /// Engine only: sequences decoded together, one batched forward a step, for the batched decode rate.
+        #[arg(long, default_value_t = 8)]
+        sequences: usize,
         /// Random weights of a named shape (llama31-8b, smollm2-135m) instead of --model; speed does not depend on
         /// the values.
         #[arg(long)]
@@ -558,7 +565,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, teacher_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -567,7 +574,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(rule) = keep {
                 rule.validate()?;
             }
-            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout };
+            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout, classification_weight };
             let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
             let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, continuations, max_new_tokens, settings, teacher_from, freq, keep, quiet };
             frspec::train::train_eagle(&options)?;
@@ -632,6 +639,7 @@ fn run(cli: Cli) -> Result<()> {
             new_tokens,
             runs,
             block,
+            sequences,
             shape,
             dtype,
             candle,
@@ -642,12 +650,12 @@ fn run(cli: Cli) -> Result<()> {
             compare_engine,
             json,
         }) => {
-            if runs == 0 || new_tokens == 0 || block == 0 || k == 0 {
-                bail!("--runs, --new-tokens, --block and --k must be at least 1");
+            if runs == 0 || new_tokens == 0 || block == 0 || k == 0 || sequences == 0 {
+                bail!("--runs, --new-tokens, --block, --sequences and --k must be at least 1");
             }
             if model.device == "cpu" && dtype == "f32" && shape.is_none() && !candle {
                 let target = model.load()?;
-                let b = frspec::bench::decode(&target, &prompt, new_tokens, runs, block)?;
+                let b = frspec::bench::decode(&target, &prompt, new_tokens, runs, block, sequences)?;
                 if json {
                     println!("{}", serde_json::to_string_pretty(&b)?);
                 } else {
@@ -655,6 +663,7 @@ fn run(cli: Cli) -> Result<()> {
                     println!("decode  {:>8.1} tokens/s  ({} new tokens)", b.decode_tok_s, b.new_tokens);
                     println!("prefill {:>8.1} tokens/s  ({} prompt tokens)", b.prefill_tok_s, b.prompt_tokens);
                     println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
+                    println!("decode  {:>8.1} tokens/s  ({} sequences together, {:.2}× one alone)", b.batched_decode_tok_s, b.sequences, b.batched_decode_tok_s / b.decode_tok_s);
                 }
                 return Ok(());
             }

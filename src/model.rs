@@ -111,18 +111,17 @@ impl Geometry {
         self.kv_heads * self.head_dim
     }
 
-    /// cos/sin of every rotated pair for positions `start..start + n`, `[n, head_dim / 2]`.
-    fn rope_tables(&self, start: usize, n: usize, w: &mut Workspace) {
-        let half = self.inv_freq.len();
-        w.cos.resize(n * half, 0.0);
-        w.sin.resize(n * half, 0.0);
-        for i in 0..n {
-            let pos = (start + i) as f32;
-            for (j, f) in self.inv_freq.iter().enumerate() {
+    /// cos/sin of every rotated pair for each row's position, `[rows, head_dim / 2]`.
+    fn rope_tables(&self, positions: impl Iterator<Item = usize>, w: &mut Workspace) {
+        w.cos.clear();
+        w.sin.clear();
+        for pos in positions {
+            let pos = pos as f32;
+            for f in &self.inv_freq {
                 // The angle is formed in f32 as HF transformers does; cos/sin themselves are evaluated exactly.
                 let angle = (pos * f) as f64;
-                w.cos[i * half + j] = angle.cos() as f32;
-                w.sin[i * half + j] = angle.sin() as f32;
+                w.cos.push(angle.cos() as f32);
+                w.sin.push(angle.sin() as f32);
             }
         }
     }
@@ -179,11 +178,19 @@ impl Geometry {
     }
 }
 
+/// Consecutive rows of a block that continue one sequence: the layer's cache they extend, and its length before.
+struct Segment<'c> {
+    kv: &'c mut LayerCache,
+    start: usize,
+    rows: usize,
+}
+
 impl Layer {
-    /// Advance the residual stream `x` (`[n, hidden]`, positions `start..`) through this layer, appending the
-    /// block's keys and values to `kv`. `w.cos`/`w.sin` must hold the rope tables for these positions.
-    /// `attn_input` replaces the attention's input (EAGLE-3 attends over [embedding; hidden], 2·hidden wide).
-    pub fn forward(&self, g: &Geometry, x: &mut [f32], attn_input: Option<&[f32]>, kv: &mut LayerCache, start: usize, w: &mut Workspace) {
+    /// Advance the residual stream `x` (`[n, hidden]`) through this layer; its rows continue the `segments`'
+    /// sequences in order, and each segment's keys and values are appended to its cache. `w.cos`/`w.sin` must hold
+    /// the rope tables for the rows' positions. `attn_input` replaces the attention's input (EAGLE-3 attends over
+    /// [embedding; hidden], 2·hidden wide).
+    fn forward<'c>(&self, g: &Geometry, x: &mut [f32], attn_input: Option<&[f32]>, segments: impl Iterator<Item = Segment<'c>>, w: &mut Workspace) {
         let n = x.len() / g.hidden;
         let (h, qd, kvd) = (g.hidden, g.heads * g.head_dim, g.kv_width());
         w.normed.resize(n * h, 0.0);
@@ -209,9 +216,15 @@ impl Layer {
             g.rope(&mut w.q[i * qd..(i + 1) * qd], &w.cos, &w.sin, i);
             g.rope(&mut w.k[i * kvd..(i + 1) * kvd], &w.cos, &w.sin, i);
         }
-        kv.keys.extend_from_slice(&w.k);
-        kv.values.extend_from_slice(&w.v);
-        g.attention(&w.q, kv, start, &mut w.scores, &mut w.attn);
+        let mut row = 0;
+        for s in segments {
+            // Each sequence attends over its own cache only.
+            let rows = row..row + s.rows;
+            s.kv.keys.extend_from_slice(&w.k[rows.start * kvd..rows.end * kvd]);
+            s.kv.values.extend_from_slice(&w.v[rows.start * kvd..rows.end * kvd]);
+            g.attention(&w.q[rows.start * qd..rows.end * qd], s.kv, s.start, &mut w.scores, &mut w.attn[rows.start * qd..rows.end * qd]);
+            row = rows.end;
+        }
         self.o.forward(&w.attn, &mut w.proj, &mut w.matmul.0);
         x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
 
@@ -334,10 +347,10 @@ impl Cache {
     ) {
         let n = x.len() / g.hidden;
         let start = self.len;
-        g.rope_tables(start, n, &mut self.work);
+        g.rope_tables(start..start + n, &mut self.work);
         for (i, (layer, kv)) in layers.iter().zip(&mut self.layers).enumerate() {
             capture(i, x);
-            layer.forward(g, x, if i == 0 { first_attn_input } else { None }, kv, start, &mut self.work);
+            layer.forward(g, x, if i == 0 { first_attn_input } else { None }, std::iter::once(Segment { kv, start, rows: n }), &mut self.work);
         }
         self.len = start + n;
     }
@@ -436,17 +449,31 @@ impl Model {
     /// Forward `tokens` at positions `cache.len()..`, appending their keys and values to the cache.
     /// `logit_rows` are indices into the block; `capture_layers` are layer indices whose inputs to return.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
-        crate::tensor::pool().install(|| self.forward_in_pool(tokens, cache, logit_rows, capture_layers))
+        crate::tensor::pool().install(|| self.forward_in_pool(tokens, &mut [cache], logit_rows, capture_layers))
     }
 
-    fn forward_in_pool(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
+    /// Forward one token for each of several sequences at once, `tokens[i]` at position `caches[i].len()`: one pass
+    /// over the weights for all rows, attention per sequence over its own cache. Logits for every row. Each
+    /// sequence's outputs are what `forward` gives it alone, bit for bit: every output is one dot product in a fixed
+    /// order, whatever the rows beside it.
+    pub fn forward_batch(&self, tokens: &[u32], caches: &mut [&mut Cache], capture_layers: &[usize]) -> Result<Forward> {
+        if tokens.len() != caches.len() {
+            bail!("a batched forward takes one token per sequence ({} tokens for {} caches)", tokens.len(), caches.len());
+        }
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        crate::tensor::pool().install(|| self.forward_in_pool(tokens, caches, &rows, capture_layers))
+    }
+
+    /// `tokens` split evenly over `caches`, in order: each sequence's share continues it.
+    fn forward_in_pool(&self, tokens: &[u32], caches: &mut [&mut Cache], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 {
             bail!("forward called with no tokens");
         }
-        if cache.len + n > c.context_length {
-            bail!("context limit: {} positions requested, the model allows {}", cache.len + n, c.context_length);
+        let per = n / caches.len();
+        if let Some(full) = caches.iter().find(|k| k.len + per > c.context_length) {
+            bail!("context limit: {} positions requested, the model allows {}", full.len + per, c.context_length);
         }
         if let Some(&r) = logit_rows.iter().find(|&&r| r >= n) {
             bail!("logit row {r} is outside the block of {n} tokens");
@@ -454,18 +481,25 @@ impl Model {
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= c.layers) {
             bail!("layer {l} does not exist (the model has {})", c.layers);
         }
-        let mut x = std::mem::take(&mut cache.work.x);
+        // The first cache's buffers serve every sequence.
+        let mut work = std::mem::take(&mut caches[0].work);
+        let mut x = std::mem::take(&mut work.x);
         self.embed_into(tokens, &mut x)?;
+        self.geometry.rope_tables(caches.iter().flat_map(|k| k.len..k.len + per), &mut work);
         let mut layer_inputs = vec![Vec::new(); capture_layers.len()];
-        cache.advance(&self.geometry, &self.layers, &mut x, None, |i, stream| {
+        for (i, layer) in self.layers.iter().enumerate() {
             for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == i) {
-                layer_inputs[slot] = stream.to_vec();
+                layer_inputs[slot] = x.clone();
             }
-        });
+            let segments = caches.iter_mut().map(|k| Segment { start: k.len, kv: &mut k.layers[i], rows: per });
+            layer.forward(&self.geometry, &mut x, None, segments, &mut work);
+        }
+        caches.iter_mut().for_each(|k| k.len += per);
         let mut hidden = vec![0.0; n * c.hidden];
         rms_norm(&x, &self.norm, c.rms_eps, &mut hidden);
-        cache.work.x = x;
-        let logits = self.logits(&hidden, logit_rows, cache.matmul_scratch());
+        work.x = x;
+        let logits = self.logits(&hidden, logit_rows, &mut work.matmul.0);
+        caches[0].work = work;
         Ok(Forward { hidden, logits, layer_inputs })
     }
 

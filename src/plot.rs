@@ -5,6 +5,7 @@
 use crate::stats::Estimate;
 use crate::summary::{temperatures, CellSummary, CellTiming};
 use anyhow::{anyhow, Result};
+use plotters::chart::MeshStyle;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -85,21 +86,8 @@ where
     let (x_lo, x_hi) = range(xs, panel.x_from_zero);
     let ys = series.iter().flat_map(|s| s.points.iter().flat_map(|(_, e)| [e.bootstrap.lo, e.bootstrap.hi, e.value]));
     let (y_lo, y_hi) = range(ys, panel.zero_line);
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 20))
-        .margin(14)
-        .x_label_area_size(48)
-        .y_label_area_size(72)
-        .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc(x_label)
-        .y_desc(y_label)
-        .axis_desc_style(("sans-serif", 16))
-        .label_style(("sans-serif", 14))
-        .draw()
-        .map_err(err)?;
+    let mut chart = builder(area, title).build_cartesian_2d(x_lo..x_hi, y_lo..y_hi).map_err(err)?;
+    axes(&mut chart.configure_mesh(), x_label, y_label).draw().map_err(err)?;
     if panel.zero_line {
         chart.draw_series(LineSeries::new([(x_lo, 0.0), (x_hi, 0.0)], BLACK.stroke_width(1))).map_err(err)?;
     }
@@ -123,15 +111,38 @@ where
                 .map_err(err)?;
         }
     }
+    legend(&mut chart, SeriesLabelPosition::LowerLeft)
+}
+
+/// A chart with the common caption, margin and room for the axis labels.
+fn builder<'a, 'b, DB: DrawingBackend>(area: &'a DrawingArea<DB, Shift>, caption: &str) -> ChartBuilder<'a, 'b, DB> {
+    let mut b = ChartBuilder::on(area);
+    b.caption(caption, ("sans-serif", 20)).margin(14).x_label_area_size(48).y_label_area_size(72);
+    b
+}
+
+/// Axis descriptions and the common fonts.
+fn axes<'m, 'a, 'b, X: Ranged, Y: Ranged, DB: DrawingBackend>(
+    mesh: &'m mut MeshStyle<'a, 'b, X, Y, DB>,
+    x_label: &str,
+    y_label: &str,
+) -> &'m mut MeshStyle<'a, 'b, X, Y, DB> {
+    mesh.x_desc(x_label).y_desc(y_label).axis_desc_style(("sans-serif", 16)).label_style(("sans-serif", 14))
+}
+
+/// The series' legend box at `position`.
+fn legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(chart: &mut ChartContext<'a, DB, CT>, position: SeriesLabelPosition) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 14))
-        .position(SeriesLabelPosition::LowerLeft)
+        .position(position)
         .draw()
-        .map_err(err)?;
-    Ok(())
+        .map_err(err)
 }
 
 /// The charts of one sweep, each drawn on any backend.
@@ -280,6 +291,7 @@ where
 struct TrainingCurve<'a> {
     log: &'a [crate::train::StepLog],
     title: &'a str,
+    classification_weight: f64,
 }
 
 impl Figure for TrainingCurve<'_> {
@@ -287,10 +299,14 @@ impl Figure for TrainingCurve<'_> {
     where
         DB::ErrorType: 'static,
     {
+        let w = self.classification_weight;
         let losses = [
             Series { name: "total loss".into(), points: smoothed(self.log, 25, |l| l.loss) },
             Series { name: "smooth-L1 (features)".into(), points: smoothed(self.log, 25, |l| l.regression) },
-            Series { name: "0.1 × cross-entropy (tokens)".into(), points: smoothed(self.log, 25, |l| 0.1 * l.classification) },
+            Series {
+                name: format!("{w} × cross-entropy (tokens)"),
+                points: smoothed(self.log, 25, |l| l.classification).into_iter().map(|(x, e)| flat(x, w * e.value)).collect(),
+            },
         ];
         let mut top1 = vec![Series { name: "head argmax = target argmax (true features)".into(), points: smoothed(self.log, 25, |l| 100.0 * l.top1) }];
         if self.log.iter().all(|l| l.rollout_top1.is_some()) {
@@ -306,9 +322,9 @@ impl Figure for TrainingCurve<'_> {
 }
 
 /// The training curve of an EAGLE head (moving averages over 25 steps) as `{stem}.png` and `{stem}.svg`.
-pub fn training_curve(stem: &Path, log: &[crate::train::StepLog], title: &str) -> Result<()> {
+pub fn training_curve(stem: &Path, log: &[crate::train::StepLog], title: &str, classification_weight: f64) -> Result<()> {
     font_once()?;
-    write_both(stem, &TrainingCurve { log, title }).map(|_| ())
+    write_both(stem, &TrainingCurve { log, title, classification_weight }).map(|_| ())
 }
 
 struct HeadLatency<'a> {
@@ -325,25 +341,16 @@ impl Figure for HeadLatency<'_> {
         let ms: Vec<f64> = self.points.iter().map(|p| 1e3 * p.median_secs).collect();
         let (lo, hi) = (ms.iter().cloned().fold(f64::MAX, f64::min), ms.iter().cloned().fold(0.0, f64::max));
         let max_batch = self.points.iter().map(|p| p.batch).max().unwrap_or(1) as f64;
-        let mut chart = ChartBuilder::on(&body)
-            .caption("Draft LM-head latency [B, H] × [H, V′] (median)", ("sans-serif", 20))
-            .margin(14)
-            .x_label_area_size(48)
-            .y_label_area_size(72)
+        let mut chart = builder(&body, "Draft LM-head latency [B, H] × [H, V′] (median)")
             .build_cartesian_2d((0.8f64..max_batch * 1.25).log_scale(), (lo * 0.8..hi * 1.25).log_scale())
             .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("batch B (rows of hidden states)")
-            .y_desc("milliseconds")
+        axes(&mut chart.configure_mesh(), "batch B (rows of hidden states)", "milliseconds")
             .light_line_style(WHITE)
             .x_label_formatter(&|v| format!("{}", v.round()))
             .y_label_formatter(&|v| {
                 let digits = (-(v.abs().log10().floor()) as i32).max(0) as usize;
                 format!("{v:.digits$}")
             })
-            .axis_desc_style(("sans-serif", 16))
-            .label_style(("sans-serif", 14))
             .draw()
             .map_err(err)?;
         let mut kept: Vec<usize> = self.points.iter().map(|p| p.kept).collect();
@@ -359,15 +366,7 @@ impl Figure for HeadLatency<'_> {
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
             chart.draw_series(line.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(err)?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 14))
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(err)?;
-        Ok(())
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)
     }
 }
 

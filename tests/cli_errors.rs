@@ -302,12 +302,18 @@ fn bad_training_input() {
     assert!(err.contains("freq/brown-smollm2.safetensors") && err.contains("scripts/build-freq.sh"), "{err}");
     assert!(!out.exists(), "no partial output");
 
+    let err = fails(&[&base[..], &["--classification-weight=-1"]].concat(), &[]);
+    assert!(err.contains("--classification-weight must be a finite number ≥ 0"), "{err}");
+    assert!(!out.exists(), "no partial output");
+
     // A folder holding another run.
     let mut ok_args: Vec<&str> = base.to_vec();
     ok_args.extend(["--steps", "2"]);
     let done = frspec().args(&ok_args).output().unwrap();
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     assert!(out.join("config.json").exists() && out.join("model.safetensors").exists());
+    let err = fails(&[&ok_args[..], &["--classification-weight", "1"]].concat(), &[]);
+    assert!(err.contains("holds another training run (differs in: settings)"), "{err}");
     ok_args.extend(["--seed", "9"]);
     let err = fails(&ok_args, &[]);
     assert!(err.contains("holds another training run (differs in: data, settings)"), "{err}");

@@ -131,3 +131,28 @@ fn truncate_and_refeed_equals_the_uninterrupted_run() {
     assert_eq!(got.hidden, want.hidden);
     assert_eq!(got.logits, want.logits);
 }
+
+#[test]
+fn prompts_decoded_together_get_what_each_gets_alone() {
+    let t = target();
+    let m = &t.model;
+    let prompts: Vec<Vec<u32>> = mt_bench_turns()[..11].iter().map(|(_, turns)| t.tokenizer.chat_prompt(&[Message::new("user", &turns[0])]).unwrap()).collect();
+    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| generate(&m, &t.tokenizer, p, 20, Sampling::GREEDY, &mut rng).unwrap().tokens).collect();
+    // A token many answers reach makes the batch shrink as they stop.
+    let mut stops = t.tokenizer.stop_ids.clone();
+    let reached_by = |x: &u32| alone.iter().filter(|a| a[..19].contains(x)).count();
+    stops.push(*alone.concat().iter().max_by_key(|x| (reached_by(x), **x)).unwrap());
+    let layers = [0, m.config.layers / 2];
+    let together = frspec::decode::greedy_continuations(m, &stops, &prompts, 20, &layers).unwrap();
+    let mut stopped_early = 0;
+    for ((prompt, answer), c) in prompts.iter().zip(&alone).zip(&together) {
+        let end = answer.iter().position(|x| stops.contains(x)).map_or(answer.len(), |i| i + 1);
+        stopped_early += usize::from(end < 20);
+        assert_eq!(c.tokens, [&prompt[..], &answer[..end]].concat());
+        let fwd = m.forward(&c.tokens[..c.tokens.len() - 1], &mut m.new_cache(), &[], &layers).unwrap();
+        assert_eq!(c.features, fwd.hidden);
+        assert_eq!(c.captured, fwd.layer_inputs);
+    }
+    assert!((2..prompts.len()).contains(&stopped_early), "{stopped_early} answers stopped early");
+}

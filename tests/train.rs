@@ -13,7 +13,7 @@ fn corpus() -> Vec<String> {
 }
 
 fn settings(steps: usize) -> TrainSettings {
-    TrainSettings { steps, seed: 5, batch: 2, lr: 3e-3, warmup: 4, weight_decay: 0.0, checkpoint_every: 10, rollout: true }
+    TrainSettings { steps, seed: 5, batch: 2, lr: 3e-3, warmup: 4, weight_decay: 0.0, checkpoint_every: 10, rollout: true, classification_weight: frspec::train::EAGLE_CLASSIFICATION_WEIGHT }
 }
 
 fn setup() -> (tempfile::TempDir, Target, Vec<Conversation>) {
@@ -50,6 +50,18 @@ fn loss_falls_and_a_resumed_run_equals_an_uninterrupted_one() {
     trainer.run(&mut resumed, 12, &mut |_, _| Ok(())).unwrap();
     assert!(whole.same_as(&resumed).unwrap(), "resumed weights and moments differ from the uninterrupted run's");
     assert!(!whole.same_as(&first).unwrap());
+}
+
+#[test]
+fn the_classification_weight_is_the_share_of_cross_entropy_in_the_loss() {
+    let (_dir, target, data) = setup();
+    let all: Vec<&Conversation> = data.iter().collect();
+    for weight in [0.0, 0.1, 1.0] {
+        let trainer = Trainer { target: &target, data: &data, keep: None, settings: TrainSettings { classification_weight: weight, rollout: false, ..settings(1) } };
+        let log = trainer.evaluate(&trainer.start().unwrap(), &all).unwrap();
+        let expected = log.regression + weight * log.classification;
+        assert!(log.classification > 0.0 && (log.loss - expected).abs() < 1e-5 * expected, "weight {weight}: {log:?}");
+    }
 }
 
 #[test]

@@ -23,8 +23,13 @@ pub struct DecodeBench {
     /// Median seconds of one forward of `block` tokens ÷ median seconds of a one-token forward, at the same position.
     pub block: usize,
     pub block_cost_ratio: f64,
+    /// Median tokens/s, all sequences together, of `sequences` sequences decoded one batched forward a step (how
+    /// training data is generated).
+    pub sequences: usize,
+    pub batched_decode_tok_s: f64,
     pub decode_tok_s_runs: Vec<f64>,
     pub prefill_tok_s_runs: Vec<f64>,
+    pub batched_decode_tok_s_runs: Vec<f64>,
 }
 
 pub fn median(values: &[f64]) -> f64 {
@@ -41,10 +46,11 @@ pub fn median(values: &[f64]) -> f64 {
 }
 
 /// Target-only decode and prefill speed on the chat prompt `question`, after one warm-up run.
-pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, block: usize) -> Result<DecodeBench> {
+pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, block: usize, sequences: usize) -> Result<DecodeBench> {
     let prompt = target.tokenizer.chat_prompt(&[Message::new("user", question)])?;
     let model = &target.model;
-    let (mut decode_runs, mut prefill_runs) = (Vec::new(), Vec::new());
+    let (mut decode_runs, mut prefill_runs, mut batched_runs) = (Vec::new(), Vec::new(), Vec::new());
+    let v = model.config.vocab;
     for run in 0..=runs {
         let mut cache = model.new_cache();
         let t = Instant::now();
@@ -56,9 +62,22 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
             logits = model.forward(&[next], &mut cache, &[0], &[])?.logits;
         }
         let decode = t.elapsed().as_secs_f64();
+        let mut caches = vec![model.new_cache(); sequences];
+        let mut next = Vec::with_capacity(sequences);
+        for cache in &mut caches {
+            next.push(argmax(&model.forward(&prompt, cache, &[prompt.len() - 1], &[])?.logits));
+        }
+        let mut batch: Vec<&mut crate::model::Cache> = caches.iter_mut().collect();
+        let t = Instant::now();
+        for _ in 0..new_tokens {
+            let logits = model.forward_batch(&next, &mut batch, &[])?.logits;
+            next.iter_mut().zip(logits.chunks_exact(v)).for_each(|(n, l)| *n = argmax(l));
+        }
+        let batched = t.elapsed().as_secs_f64();
         if run > 0 {
             prefill_runs.push(prompt.len() as f64 / prefill);
             decode_runs.push(new_tokens as f64 / decode);
+            batched_runs.push((sequences * new_tokens) as f64 / batched);
         }
     }
     let block_cost_ratio = block_cost(model, &prompt, block, runs.max(5) * 4)?;
@@ -71,21 +90,18 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         prefill_tok_s: median(&prefill_runs),
         block,
         block_cost_ratio,
+        sequences,
+        batched_decode_tok_s: median(&batched_runs),
         decode_tok_s_runs: decode_runs,
         prefill_tok_s_runs: prefill_runs,
+        batched_decode_tok_s_runs: batched_runs,
     })
 }
 
 /// Greedy continuation of `prompt` by `new_tokens` tokens on the CPU engine, with no stop token.
 pub fn engine_greedy(model: &Model, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();
-    let mut out = vec![argmax(&model.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?.logits)];
-    while out.len() < new_tokens {
-        let last = out[out.len() - 1];
-        out.push(argmax(&model.forward(&[last], &mut cache, &[0], &[])?.logits));
-    }
-    out.truncate(new_tokens);
-    Ok(out)
+    crate::decode::greedy_steps(prompt, new_tokens, |tokens| Ok(argmax(&model.forward(tokens, &mut cache, &[tokens.len() - 1], &[])?.logits)))
 }
 
 /// What a verification step costs relative to a plain decode step: a `block`-token forward (logits for every

@@ -3,8 +3,8 @@
 //! Data: prompts derived from a text corpus (never the evaluation set) in the target's chat format, answered by
 //! the target itself (greedy), so the head learns the distribution it will draft for. The target's post-norm
 //! features along each conversation are the teacher signal, cached once on disk in f16.
-//! Objective (EAGLE-1): draft position i sees (f_i, t_{i+1}) and predicts f_{i+1}: smooth-L1 against it, plus 0.1 ×
-//! the cross-entropy of the head's logits through the target's LM head against the target's next-token
+//! Objective (EAGLE-1): draft position i sees (f_i, t_{i+1}) and predicts f_{i+1}: smooth-L1 against it, plus 0.1 (a
+//! setting) × the cross-entropy of the head's logits through the target's LM head against the target's next-token
 //! distribution softmax(LM head · f_{i+1}); only positions that predict answer tokens count. Inputs get uniform
 //! noise (±0.1), as in EAGLE. AdamW with linear warm-up and cosine decay, gradient norm clipped at 0.5.
 //!
@@ -115,17 +115,22 @@ pub struct Conversation {
     pub features: Vec<f32>,
 }
 
+/// Prompts the target answers together, one batched forward a step: the kernels unpack a weight row once for up
+/// to 8 activation rows.
+const ANSWER_BATCH: usize = 8;
+
 /// Let the target answer every prompt greedily, keeping its features.
 pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
     let tok = &target.tokenizer;
     let mut out = Vec::with_capacity(prompts.len());
-    for p in prompts {
-        let prompt = tok.chat_prompt(&[Message::new("user", p)])?;
-        let c = crate::decode::greedy_continuation(&target.model, &tok.stop_ids, &prompt, max_new_tokens, &[])?;
-        let features = c.features.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
-        let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features };
-        on_done(&conv);
-        out.push(conv);
+    for batch in prompts.chunks(ANSWER_BATCH) {
+        let chats = batch.iter().map(|p| tok.chat_prompt(&[Message::new("user", p)])).collect::<Result<Vec<_>>>()?;
+        for (c, prompt) in crate::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, &[])?.into_iter().zip(&chats) {
+            let features = c.features.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+            let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features };
+            on_done(&conv);
+            out.push(conv);
+        }
     }
     Ok(out)
 }
@@ -360,6 +365,20 @@ pub struct TrainSettings {
     pub checkpoint_every: usize,
     /// Also train on the head's own predicted features (see `loss`).
     pub rollout: bool,
+    /// Weight of the cross-entropy beside the feature regression. Left out of a run's identity at EAGLE's 0.1, so
+    /// folders made before it was a setting still resume.
+    #[serde(default = "eagle_classification_weight", skip_serializing_if = "is_eagle_classification_weight")]
+    pub classification_weight: f64,
+}
+
+pub const EAGLE_CLASSIFICATION_WEIGHT: f64 = 0.1;
+
+fn eagle_classification_weight() -> f64 {
+    EAGLE_CLASSIFICATION_WEIGHT
+}
+
+fn is_eagle_classification_weight(w: &f64) -> bool {
+    *w == EAGLE_CLASSIFICATION_WEIGHT
 }
 
 /// A batch: packed pairs, their sequence lengths, and which rows count with their teacher features.
@@ -416,16 +435,16 @@ fn targets<'a>(frozen: &'a Frozen, b: &Batch) -> Result<Targets<'a>> {
     Ok(Targets { p: softmax(&b.teacher.matmul(&frozen.head.t()?)?)?, head: &frozen.head })
 }
 
-/// Smooth-L1 against the teacher features + 0.1 × cross-entropy against the teacher distribution, at the counted
-/// rows of the layer outputs `out`; also the loss parts and top-1 agreement.
-fn objective(out: &Tensor, b: &Batch, t: &Targets) -> Result<(Tensor, [f64; 3])> {
+/// Smooth-L1 against the teacher features + `weight` × cross-entropy against the teacher distribution, at the
+/// counted rows of the layer outputs `out`; also the loss parts and top-1 agreement.
+fn objective(out: &Tensor, b: &Batch, t: &Targets, weight: f64) -> Result<(Tensor, [f64; 3])> {
     let out = out.index_select(&b.counted, 0)?;
     let diff = (&out - &b.teacher)?.abs()?;
     let small = diff.clamp(0f32, 1f32)?;
     let regression = ((small.sqr()? * 0.5)? + (diff - small)?)?.mean_all()?;
     let logits = out.matmul(&t.head.t()?)?;
     let classification = (t.p.mul(&log_softmax(&logits)?)?.sum(1)?.neg()?).mean_all()?;
-    let total = (&regression + (&classification * 0.1)?)?;
+    let total = (&regression + (&classification * weight)?)?;
     let agree = logits.argmax(1)?.eq(&t.p.argmax(1)?)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()? as f64;
     Ok((total, [regression.to_scalar::<f32>()? as f64, classification.to_scalar::<f32>()? as f64, agree]))
 }
@@ -434,14 +453,14 @@ fn objective(out: &Tensor, b: &Batch, t: &Targets) -> Result<(Tensor, [f64; 3])>
 /// of its sequence the feature pass 1 predicted for it (detached) and lets it attend to the pass-1 rows before it:
 /// what the second draft of a step sees (true-feature rows in the cache, its own predicted feature). Its loss is
 /// added with the same weight.
-fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, rollout: bool) -> Result<(Tensor, StepLog)> {
+fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
     let t = targets(frozen, b)?;
     let (out, keys) = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens, None)?;
-    let (mut total, [regression, classification, top1]) = objective(&out, b, &t)?;
+    let (mut total, [regression, classification, top1]) = objective(&out, b, &t, s.classification_weight)?;
     let mut log = StepLog { regression, classification, top1, positions: b.counted.dims1()?, ..StepLog::default() };
-    if rollout {
+    if s.rollout {
         let out2 = rollout_pass(d, w, &b.emb, &b.feats, &out, &keys, &b.lens)?;
-        let (second, [_, _, top1]) = objective(&out2, b, &t)?;
+        let (second, [_, _, top1]) = objective(&out2, b, &t, s.classification_weight)?;
         total = (total + second)?;
         log.rollout_top1 = Some(top1);
     }
@@ -609,7 +628,7 @@ impl Trainer<'_> {
             noise.set_stream(step as u64);
             let b = batch(&picked, &frozen, d.hidden, &mut noise)?;
             let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-            let (total, mut log) = loss(d, &w, &frozen, &b, s.rollout)?;
+            let (total, mut log) = loss(d, &w, &frozen, &b, s)?;
             let grads = total.backward()?;
             let lr = learning_rate(s, step);
             state.update(&grads, lr, s.weight_decay)?;
@@ -627,7 +646,7 @@ impl Trainer<'_> {
         let mut noise = ChaCha20Rng::seed_from_u64(0);
         let b = batch(convs, &frozen, d.hidden, &mut noise)?;
         let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
-        Ok(loss(d, &w, &frozen, &b, self.settings.rollout)?.1)
+        Ok(loss(d, &w, &frozen, &b, &self.settings)?.1)
     }
 }
 

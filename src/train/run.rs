@@ -76,6 +76,9 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     if s.batch > o.prompts + o.continuations {
         bail!("--batch {} is larger than --prompts {} and --continuations {} together", s.batch, o.prompts, o.continuations);
     }
+    if !(s.classification_weight.is_finite() && s.classification_weight >= 0.0) {
+        bail!("--classification-weight must be a finite number ≥ 0, not {}", s.classification_weight);
+    }
     let files = crate::vocab::corpus_files(&o.corpus)?;
     let mut lines = Vec::new();
     for f in &files {
@@ -198,7 +201,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     export(&o.out, &state, &target.model)?;
     let entries: Vec<StepLog> = std::fs::read_to_string(&log_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let title = format!("EAGLE-1 head for {} · {} conversations · {} steps × {} conversations", o.target, data.len(), s.steps, s.batch);
-    crate::plot::training_curve(&o.out.join("training_curve"), &entries, &title)?;
+    crate::plot::training_curve(&o.out.join("training_curve"), &entries, &title, s.classification_weight)?;
     eprintln!("head written to {} ({} steps, {:.0} s this run)", o.out.display(), state.step, started.elapsed().as_secs_f64());
     Ok(())
 }
