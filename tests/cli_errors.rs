@@ -318,3 +318,35 @@ fn bad_training_input() {
     let err = fails(&ok_args, &[]);
     assert!(err.contains("holds another training run (differs in: data, settings)"), "{err}");
 }
+
+#[test]
+fn teacher_data_is_reused_part_by_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    let words = ["the", "river", "town", "council", "voted", "to", "build", "a", "new", "bridge"];
+    let lines: Vec<String> = (0..12).map(|i| (0..8).map(|j| words[(i * 3 + j * 7) % words.len()]).collect::<Vec<_>>().join(" ")).collect();
+    std::fs::write(&corpus, lines.join("\n")).unwrap();
+    let model = synthetic_dir();
+    let (m, c) = (model.path().to_str().unwrap(), corpus.to_str().unwrap());
+    let run = |out: &str, prompts: &str, extra: &[&str]| {
+        let out = dir.path().join(out);
+        let mut args = vec!["train-eagle", "--target", m, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", prompts];
+        args.extend(["--continuations", "2", "--batch", "1", "--max-new-tokens", "4", "--steps", "1", "--quiet"]);
+        args.extend(extra);
+        (frspec().args(&args).output().unwrap(), out)
+    };
+    let (done, first) = run("first", "2", &[]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let from = first.to_str().unwrap();
+    // More generated conversations: the continuations are the same and are taken over; the answers are made anew.
+    let (done, second) = run("second", "3", &["--teacher-from", from]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let bytes = |p: std::path::PathBuf| std::fs::read(p).unwrap();
+    assert_eq!(bytes(second.join("continuations.safetensors")), bytes(first.join("continuations.safetensors")));
+    assert_ne!(bytes(second.join("teacher.safetensors")), bytes(first.join("teacher.safetensors")));
+    // Another seed shares neither part.
+    let (done, third) = run("third", "2", &["--teacher-from", from, "--seed", "3"]);
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(!done.status.success() && err.contains("neither its generated conversations nor its continuations"), "{err}");
+    assert!(!third.exists(), "no partial output");
+}

@@ -123,6 +123,22 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     if o.continuations > 0 {
         identity["continuations"] = continuation_identity.clone();
     }
+    // Which parts of another run's teacher data to take over: each one made the same way, so a run with more
+    // generated conversations can still take the other's continuations. Checked before anything is written.
+    let mut reuse = Vec::new();
+    if let Some(other) = &o.teacher_from {
+        let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
+        let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
+        let same_answers = theirs["data"] == data_identity;
+        let same_continuations = o.continuations > 0 && theirs["continuations"] == continuation_identity;
+        if !same_answers && !same_continuations {
+            bail!(
+                "--teacher-from {}: neither its generated conversations nor its continuations were made from this target, corpus, count, answer length and seed",
+                other.display()
+            );
+        }
+        reuse.extend([(same_answers, "teacher.safetensors"), (same_continuations, "continuations.safetensors")].into_iter().filter(|(same, _)| *same).map(|(_, name)| (other.join(name), o.out.join(name))));
+    }
     let run_json = o.out.join("run.json");
     if o.out.exists() && std::fs::read_dir(&o.out)?.next().is_some() {
         let text = std::fs::read_to_string(&run_json)
@@ -145,16 +161,9 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     let hidden = target.model.config.hidden;
     let teacher_path = o.out.join("teacher.safetensors");
     let continuations_path = o.out.join("continuations.safetensors");
-    if let (false, Some(other)) = (teacher_path.exists(), &o.teacher_from) {
-        let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
-        let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
-        if theirs["data"] != data_identity {
-            bail!("--teacher-from {}: its teacher data was made from another target, corpus, prompt count, answer length or seed", other.display());
-        }
-        std::fs::copy(other.join("teacher.safetensors"), &teacher_path).with_context(|| format!("cannot copy the teacher data of {}", other.display()))?;
-        if o.continuations > 0 && theirs["continuations"] == continuation_identity && other.join("continuations.safetensors").exists() {
-            std::fs::copy(other.join("continuations.safetensors"), &continuations_path)
-                .with_context(|| format!("cannot copy the continuations of {}", other.display()))?;
+    for (from, to) in &reuse {
+        if !to.exists() && from.exists() {
+            std::fs::copy(from, to).with_context(|| format!("cannot copy {}", from.display()))?;
         }
     }
     let mut data = cached(&teacher_path, prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| teacher_data(&target, &prompts, o.max_new_tokens, on_done))?;
