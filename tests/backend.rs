@@ -112,6 +112,7 @@ fn bench_decode_on_the_candle_backend_compares_with_the_engine() {
         (vec!["--shape", "llama99"], "expected llama31-8b"),
         (vec!["--shape", "smollm2-135m", "--compare-engine"], "needs --model"),
         (vec!["--candle", "--lengths", "0.5"], "at least 1"),
+        (vec!["--sequences", "0"], "--sequences and --k must be at least 1"),
     ] {
         let out = frspec().args(["bench", "decode", "--model", dir.path().to_str().unwrap()]).args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
