@@ -208,6 +208,10 @@ enum Command {
         /// Conversations the target answers for training.
         #[arg(long, default_value_t = 1000)]
         prompts: usize,
+        /// Instruction templates for those prompts: a JSON list of strings, each with {} where the passage goes
+        /// (datasets/train-templates.json is the shipped head's); a built-in set of ten when absent.
+        #[arg(long)]
+        templates: Option<PathBuf>,
         /// Teacher-forced conversations: a corpus passage to continue, answered by the passages that follow it
         /// (the target reads them in one forward instead of generating), mixed into the training data.
         #[arg(long, default_value_t = 0)]
@@ -565,7 +569,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, templates, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -576,7 +580,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout, classification_weight };
             let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
-            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, continuations, max_new_tokens, settings, teacher_from, freq, keep, quiet };
+            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, templates, continuations, max_new_tokens, settings, teacher_from, freq, keep, quiet };
             frspec::train::train_eagle(&options)?;
         }
         Command::Plot { dir } => {

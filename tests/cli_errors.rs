@@ -306,6 +306,16 @@ fn bad_training_input() {
     assert!(err.contains("--classification-weight must be a finite number ≥ 0"), "{err}");
     assert!(!out.exists(), "no partial output");
 
+    // A templates file whose second template has no place for the passage, and one that is not a list.
+    let templates = dir.path().join("templates.json");
+    std::fs::write(&templates, r#"["Explain: {}", "Explain this."]"#).unwrap();
+    let err = fails(&[&base[..], &["--templates", templates.to_str().unwrap()]].concat(), &[]);
+    assert!(err.contains("templates.json: template 2 must hold {} (where the passage goes) exactly once"), "{err}");
+    std::fs::write(&templates, r#"{"a": "{}"}"#).unwrap();
+    let err = fails(&[&base[..], &["--templates", templates.to_str().unwrap()]].concat(), &[]);
+    assert!(err.contains("templates.json: not a JSON list of template strings"), "{err}");
+    assert!(!out.exists(), "no partial output");
+
     // A folder holding another run.
     let mut ok_args: Vec<&str> = base.to_vec();
     ok_args.extend(["--steps", "2"]);
@@ -314,6 +324,10 @@ fn bad_training_input() {
     assert!(out.join("config.json").exists() && out.join("model.safetensors").exists());
     let err = fails(&[&ok_args[..], &["--classification-weight", "1"]].concat(), &[]);
     assert!(err.contains("holds another training run (differs in: settings)"), "{err}");
+    // Other templates make other prompts, so other teacher data.
+    std::fs::write(&templates, r#"["Explain: {}"]"#).unwrap();
+    let err = fails(&[&ok_args[..], &["--templates", templates.to_str().unwrap()]].concat(), &[]);
+    assert!(err.contains("holds another training run (differs in: data)"), "{err}");
     ok_args.extend(["--seed", "9"]);
     let err = fails(&ok_args, &[]);
     assert!(err.contains("holds another training run (differs in: data, settings)"), "{err}");

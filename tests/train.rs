@@ -20,9 +20,19 @@ fn setup() -> (tempfile::TempDir, Target, Vec<Conversation>) {
     let dir = tempfile::tempdir().unwrap();
     synthetic::write_model(dir.path(), &Shape::tiny(), 3, candle_core::DType::F32).unwrap();
     let target = Target::load(dir.path().to_str().unwrap()).unwrap();
-    let prompts = train::prompts(&corpus(), 8, 1).unwrap();
+    let prompts = train::prompts(&corpus(), 8, 1, &train::TEMPLATES).unwrap();
     let data = train::teacher_data(&target, &prompts, 24, &mut |_| {}).unwrap();
     (dir, target, data)
+}
+
+#[test]
+fn prompts_take_the_templates_in_turn_around_the_same_passages() {
+    let builtin = train::prompts(&corpus(), 4, 1, &train::TEMPLATES).unwrap();
+    let own = train::prompts(&corpus(), 4, 1, &["A: {}", "B {} end"]).unwrap();
+    for (i, (b, o)) in builtin.iter().zip(&own).enumerate() {
+        let passage = b.strip_prefix(&train::TEMPLATES[i].replace("{}", "")).unwrap();
+        assert_eq!(o, &if i % 2 == 0 { format!("A: {passage}") } else { format!("B {passage} end") });
+    }
 }
 
 #[test]

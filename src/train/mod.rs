@@ -28,9 +28,10 @@ use std::path::Path;
 mod run;
 pub use run::{train_eagle, TrainOptions};
 
-/// Instructions wrapped around corpus passages to make chat prompts; they cover writing, explanation, extraction,
-/// reasoning, arithmetic and code so the answers resemble what chat benchmarks ask for.
-const TEMPLATES: [&str; 10] = [
+/// Instructions wrapped around corpus passages to make chat prompts (the default set, `--templates` replaces it);
+/// they cover writing, explanation, extraction, reasoning, arithmetic and code so the answers resemble what chat
+/// benchmarks ask for. The first one also frames the continuations.
+pub const TEMPLATES: [&str; 10] = [
     "Continue this text in the same style:\n\n{}",
     "Explain the following passage in simple terms:\n\n{}",
     "Write a short story inspired by this passage:\n\n{}",
@@ -63,11 +64,26 @@ fn passages(lines: &[String]) -> Result<Vec<String>> {
     Ok(passages)
 }
 
-/// `count` chat prompts from the corpus: passages drawn in a seeded order, each wrapped in one of the templates.
-pub fn prompts(lines: &[String], count: usize, seed: u64) -> Result<Vec<String>> {
+/// Instruction templates from a JSON file: a list of strings, each holding `{}` once, where the passage goes.
+pub fn load_templates(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read templates file {}", path.display()))?;
+    let templates: Vec<String> =
+        serde_json::from_str(&text).map_err(|e| anyhow!("{}: not a JSON list of template strings: {e}", path.display()))?;
+    if templates.is_empty() {
+        bail!("{}: holds no template", path.display());
+    }
+    if let Some((i, _)) = templates.iter().enumerate().find(|(_, t)| t.matches("{}").count() != 1) {
+        bail!("{}: template {} must hold {{}} (where the passage goes) exactly once", path.display(), i + 1);
+    }
+    Ok(templates)
+}
+
+/// `count` chat prompts from the corpus: passages drawn in a seeded order, each wrapped in one of the templates
+/// (in turn).
+pub fn prompts(lines: &[String], count: usize, seed: u64, templates: &[impl AsRef<str>]) -> Result<Vec<String>> {
     let passages = passages(lines)?;
     let order = shuffled(passages.len(), &mut ChaCha20Rng::seed_from_u64(seed));
-    Ok((0..count).map(|i| TEMPLATES[i % TEMPLATES.len()].replace("{}", &passages[order[i % order.len()]])).collect())
+    Ok((0..count).map(|i| templates[i % templates.len()].as_ref().replace("{}", &passages[order[i % order.len()]])).collect())
 }
 
 /// `count` (prompt, answer) pairs whose answer is the corpus itself: a passage to continue, drawn in a seeded order

@@ -20,6 +20,8 @@ pub struct TrainOptions {
     pub format: CorpusFormat,
     /// Conversations the target generates for training.
     pub prompts: usize,
+    /// Instruction templates for those prompts (a JSON file); the built-in set when absent.
+    pub templates: Option<PathBuf>,
     /// Teacher-forced conversations whose answers are corpus text (0: none).
     pub continuations: usize,
     pub max_new_tokens: usize,
@@ -87,7 +89,11 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     if lines.is_empty() {
         bail!("the corpus ({}) holds no text", o.corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", "));
     }
-    let prompts = prompts(&lines, o.prompts, s.seed)?;
+    let templates = o.templates.as_deref().map(super::load_templates).transpose()?;
+    let prompts = match &templates {
+        Some(t) => prompts(&lines, o.prompts, s.seed, t)?,
+        None => prompts(&lines, o.prompts, s.seed, &super::TEMPLATES)?,
+    };
     // Made before anything is written, so a corpus that cannot give them leaves no folder behind.
     let continuations = if o.continuations > 0 { continuations(&lines, o.continuations, s.seed)? } else { Vec::new() };
     let target = Target::load(&o.target)?;
@@ -98,7 +104,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     };
 
     // What the teacher data depends on; the rest of the identity is how the head is trained.
-    let data_identity = serde_json::json!({
+    let mut data_identity = serde_json::json!({
         "target": o.target,
         "target_sha256": crate::manifest::sha256(&target.source)?,
         "corpus": files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
@@ -106,6 +112,10 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         "max_new_tokens": o.max_new_tokens,
         "seed": s.seed,
     });
+    // The templates themselves, not their file's path; absent for the built-in set, so older folders resume.
+    if let Some(t) = &templates {
+        data_identity["templates"] = serde_json::json!(t);
+    }
     let continuation_identity = serde_json::json!({
         "target_sha256": data_identity["target_sha256"],
         "corpus": data_identity["corpus"],
