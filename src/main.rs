@@ -209,7 +209,7 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         prompts: usize,
         /// Instruction templates for those prompts: a JSON list of strings, each with {} where the passage goes
-        /// (datasets/train-templates.json is the shipped head's); a built-in set of ten when absent.
+        /// (datasets/train-templates.json: 24 of the kinds MT-Bench asks for); the built-in ten when absent.
         #[arg(long)]
         templates: Option<PathBuf>,
         /// Teacher-forced conversations: a corpus passage to continue, answered by the passages that follow it
