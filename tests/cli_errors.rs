@@ -314,6 +314,11 @@ fn bad_training_input() {
     std::fs::write(&templates, r#"{"a": "{}"}"#).unwrap();
     let err = fails(&[&base[..], &["--templates", templates.to_str().unwrap()]].concat(), &[]);
     assert!(err.contains("templates.json: not a JSON list of template strings"), "{err}");
+    std::fs::write(&templates, "[]").unwrap();
+    let err = fails(&[&base[..], &["--templates", templates.to_str().unwrap()]].concat(), &[]);
+    assert!(err.contains("templates.json: holds no template"), "{err}");
+    let err = fails(&[&base[..], &["--templates", dir.path().join("missing.json").to_str().unwrap()]].concat(), &[]);
+    assert!(err.contains("cannot read templates file") && err.contains("missing.json"), "{err}");
     assert!(!out.exists(), "no partial output");
 
     // A folder holding another run.

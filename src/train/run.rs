@@ -89,11 +89,11 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     if lines.is_empty() {
         bail!("the corpus ({}) holds no text", o.corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", "));
     }
-    let templates = o.templates.as_deref().map(super::load_templates).transpose()?;
-    let prompts = match &templates {
-        Some(t) => prompts(&lines, o.prompts, s.seed, t)?,
-        None => prompts(&lines, o.prompts, s.seed, &super::TEMPLATES)?,
+    let templates = match &o.templates {
+        Some(path) => super::load_templates(path)?,
+        None => super::TEMPLATES.map(String::from).to_vec(),
     };
+    let prompts = prompts(&lines, o.prompts, s.seed, &templates)?;
     // Made before anything is written, so a corpus that cannot give them leaves no folder behind.
     let continuations = if o.continuations > 0 { continuations(&lines, o.continuations, s.seed)? } else { Vec::new() };
     let target = Target::load(&o.target)?;
@@ -113,8 +113,8 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         "seed": s.seed,
     });
     // The templates themselves, not their file's path; absent for the built-in set, so older folders resume.
-    if let Some(t) = &templates {
-        data_identity["templates"] = serde_json::json!(t);
+    if o.templates.is_some() {
+        data_identity["templates"] = serde_json::json!(templates);
     }
     let continuation_identity = serde_json::json!({
         "target_sha256": data_identity["target_sha256"],
