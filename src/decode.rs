@@ -288,6 +288,19 @@ pub fn greedy_continuation(target: &Model, stop_ids: &[u32], prompt: &[u32], max
 /// over the weights serves them all. Each continuation is what the prompt gets alone, bit for bit; `secs` is the
 /// call's wall time shared equally.
 pub fn greedy_continuations<P: AsRef<[u32]>>(target: &Model, stop_ids: &[u32], prompts: &[P], max_new_tokens: usize, layers: &[usize]) -> Result<Vec<Continuation>> {
+    continuations(target, stop_ids, prompts, max_new_tokens, layers, &mut |_, logits| crate::sampling::argmax(logits))
+}
+
+/// Continuations decoded together as `greedy_continuations` does, each next token chosen by `choose(sequence,
+/// logits)`: with a random stream per sequence, a sampled continuation does not depend on what else is in the batch.
+pub fn continuations<P: AsRef<[u32]>>(
+    target: &Model,
+    stop_ids: &[u32],
+    prompts: &[P],
+    max_new_tokens: usize,
+    layers: &[usize],
+    choose: &mut dyn FnMut(usize, &[f32]) -> u32,
+) -> Result<Vec<Continuation>> {
     let prompts: Vec<&[u32]> = prompts.iter().map(|p| p.as_ref()).collect();
     if prompts.iter().any(|p| p.is_empty()) {
         bail!("empty prompt");
@@ -296,10 +309,10 @@ pub fn greedy_continuations<P: AsRef<[u32]>>(target: &Model, stop_ids: &[u32], p
     let ctx_limit = target.config.context_length;
     let mut seqs = Vec::with_capacity(prompts.len());
     let mut caches = Vec::with_capacity(prompts.len());
-    for prompt in &prompts {
+    for (i, prompt) in prompts.iter().enumerate() {
         let mut cache = target.new_cache();
         let fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], layers)?;
-        let next = crate::sampling::argmax(&fwd.logits);
+        let next = choose(i, &fwd.logits);
         seqs.push((Continuation { tokens: prompt.to_vec(), features: fwd.hidden, captured: fwd.layer_inputs, stop: StopReason::MaxTokens, secs: 0.0 }, next));
         caches.push(cache);
     }
@@ -333,7 +346,7 @@ pub fn greedy_continuations<P: AsRef<[u32]>>(target: &Model, stop_ids: &[u32], p
             let (c, next) = &mut seqs[i];
             c.features.extend_from_slice(&fwd.hidden[row * h..(row + 1) * h]);
             c.captured.iter_mut().zip(&fwd.layer_inputs).for_each(|(c, l)| c.extend_from_slice(&l[row * h..(row + 1) * h]));
-            *next = crate::sampling::argmax(&fwd.logits[row * target.config.vocab..(row + 1) * target.config.vocab]);
+            *next = choose(i, &fwd.logits[row * target.config.vocab..(row + 1) * target.config.vocab]);
         }
     }
     let secs = t0.elapsed().as_secs_f64() / prompts.len() as f64;

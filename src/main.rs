@@ -216,6 +216,10 @@ enum Command {
         /// (the target reads them in one forward instead of generating), mixed into the training data.
         #[arg(long, default_value_t = 0)]
         continuations: usize,
+        /// Conversations whose request the target writes itself before answering it (Magpie: the chat up to the
+        /// user's turn, continued by sampling at temperature 1), mixed into the training data.
+        #[arg(long, default_value_t = 0)]
+        self_prompts: usize,
         /// Longest answer per conversation (generated, or corpus text for --continuations), in tokens.
         #[arg(long, default_value_t = 192)]
         max_new_tokens: usize,
@@ -569,7 +573,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, templates, continuations, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, templates, continuations, self_prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -580,7 +584,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout, classification_weight };
             let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
-            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, templates, continuations, max_new_tokens, settings, teacher_from, freq, keep, quiet };
+            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, templates, continuations, self_prompts, max_new_tokens, settings, teacher_from, freq, keep, quiet };
             frspec::train::train_eagle(&options)?;
         }
         Command::Plot { dir } => {

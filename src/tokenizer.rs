@@ -199,6 +199,16 @@ impl Tokenizer {
         let template = self.chat_template.as_ref().ok_or_else(|| anyhow!("the model's tokenizer has no chat template"))?;
         self.encode(&template.render(messages, true)?)
     }
+
+    /// The token ids of a chat up to where the user's first message begins (after the template's default system
+    /// prompt, if any): what an instruct model continues with a request of the kind it was tuned on (Magpie).
+    pub fn user_turn_prefix(&self) -> Result<Vec<u32>> {
+        const MARK: &str = "\u{1}frspec-user-message\u{1}";
+        let template = self.chat_template.as_ref().ok_or_else(|| anyhow!("the model's tokenizer has no chat template"))?;
+        let text = template.render(&[crate::chat::Message::new("user", MARK)], false)?;
+        let cut = text.find(MARK).ok_or_else(|| anyhow!("the chat template does not show the user's message as written"))?;
+        self.encode(&text[..cut])
+    }
 }
 
 impl Tokenizer {

@@ -347,25 +347,35 @@ fn teacher_data_is_reused_part_by_part() {
     std::fs::write(&corpus, lines.join("\n")).unwrap();
     let model = synthetic_dir();
     let (m, c) = (model.path().to_str().unwrap(), corpus.to_str().unwrap());
-    let run = |out: &str, prompts: &str, extra: &[&str]| {
+    let run = |out: &str, prompts: &str, self_prompts: &str, extra: &[&str]| {
         let out = dir.path().join(out);
-        let mut args = vec!["train-eagle", "--target", m, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", prompts];
-        args.extend(["--continuations", "2", "--batch", "1", "--max-new-tokens", "4", "--steps", "1", "--quiet"]);
+        let mut args = vec!["train-eagle", "--target", m, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", prompts, "--self-prompts", self_prompts];
+        // Requests the target writes itself need room to end their turn.
+        args.extend(["--continuations", "2", "--batch", "1", "--max-new-tokens", "48", "--steps", "1", "--quiet"]);
         args.extend(extra);
         (frspec().args(&args).output().unwrap(), out)
     };
-    let (done, first) = run("first", "2", &[]);
+    let (done, first) = run("first", "2", "2", &[]);
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     let from = first.to_str().unwrap();
-    // More generated conversations: the continuations are the same and are taken over; the answers are made anew.
-    let (done, second) = run("second", "3", &["--teacher-from", from]);
+    // More generated conversations: the continuations and the self-prompted conversations are the same and are
+    // taken over; the answers are made anew.
+    let (done, second) = run("second", "3", "2", &["--teacher-from", from]);
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     let bytes = |p: std::path::PathBuf| std::fs::read(p).unwrap();
-    assert_eq!(bytes(second.join("continuations.safetensors")), bytes(first.join("continuations.safetensors")));
+    for same in ["continuations.safetensors", "self-prompts.json", "self-prompts.safetensors"] {
+        assert_eq!(bytes(second.join(same)), bytes(first.join(same)), "{same}");
+    }
     assert_ne!(bytes(second.join("teacher.safetensors")), bytes(first.join("teacher.safetensors")));
-    // Another seed shares neither part.
-    let (done, third) = run("third", "2", &["--teacher-from", from, "--seed", "3"]);
+    let requests: Vec<String> = serde_json::from_slice(&bytes(first.join("self-prompts.json"))).unwrap();
+    assert_eq!(requests.len(), 2);
+    // Another seed shares no part.
+    let (done, third) = run("third", "2", "2", &["--teacher-from", from, "--seed", "3"]);
     let err = String::from_utf8_lossy(&done.stderr);
-    assert!(!done.status.success() && err.contains("neither its generated conversations nor its continuations"), "{err}");
+    assert!(!done.status.success() && err.contains("none of its teacher data"), "{err}");
     assert!(!third.exists(), "no partial output");
+    // Asking the first folder for more self-prompted conversations is another run.
+    let (done, _) = run("first", "2", "3", &[]);
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(!done.status.success() && err.contains("holds another training run (differs in: self_prompts)"), "{err}");
 }

@@ -133,6 +133,35 @@ fn truncate_and_refeed_equals_the_uninterrupted_run() {
 }
 
 #[test]
+fn sampled_continuations_decoded_together_get_what_each_gets_alone() {
+    let t = target();
+    // What the target continues to write a request of its own (Magpie): the chat up to the user's message.
+    let prefix = t.tokenizer.user_turn_prefix().unwrap();
+    assert_eq!(
+        t.tokenizer.decode(&prefix).unwrap(),
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n"
+    );
+    let sampling = Sampling::new(1.0, 1.0).unwrap();
+    let stream = |i: u64| {
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(3);
+        rng.set_stream(i);
+        rng
+    };
+    let alone: Vec<Vec<u32>> = (0..4).map(|i| generate(&t.model, &t.tokenizer, &prefix, 24, sampling, &mut stream(i)).unwrap().tokens).collect();
+    let mut streams: Vec<_> = (0..4).map(stream).collect();
+    let (mut probs, mut order) = (Vec::new(), Vec::new());
+    let together = frspec::decode::continuations(&t.model, &t.tokenizer.stop_ids, &vec![prefix.as_slice(); 4], 24, &[], &mut |i, logits| {
+        sampling.distribution(logits, &mut probs, &mut order);
+        frspec::sampling::draw(&probs, &mut streams[i])
+    })
+    .unwrap();
+    for (answer, c) in alone.iter().zip(&together) {
+        assert_eq!(c.tokens, [&prefix[..], &answer[..]].concat());
+    }
+    assert!(alone.windows(2).all(|w| w[0] != w[1]), "each stream writes its own request");
+}
+
+#[test]
 fn prompts_decoded_together_get_what_each_gets_alone() {
     let t = target();
     let m = &t.model;

@@ -147,3 +147,19 @@ fn training_against_a_keep_set_learns_and_the_whole_vocabulary_as_keep_set_chang
     let after = trainer.evaluate(&state, &all).unwrap();
     assert!(after.classification < before.classification && after.loss < before.loss, "{before:?} → {after:?}");
 }
+
+#[test]
+fn the_target_writes_its_own_requests_the_same_for_a_seed() {
+    let (_dir, target, _) = setup();
+    let requests = |count, seed, max_tokens| train::self_prompts(&target, count, seed, max_tokens, &mut |_| {});
+    let a = requests(5, 7, 48).unwrap();
+    assert_eq!(a, requests(5, 7, 48).unwrap());
+    assert_ne!(a, requests(5, 8, 48).unwrap());
+    assert_eq!(a.iter().collect::<std::collections::HashSet<_>>().len(), 5, "{a:?}");
+    assert!(a.iter().all(|r| !r.is_empty() && r.trim() == r), "{a:?}");
+    // A request does not depend on how many are asked for.
+    assert_eq!(requests(2, 7, 48).unwrap(), a[..2]);
+    // No turn can end with a request in one token: one clear error, not an endless loop.
+    let err = requests(2, 7, 1).unwrap_err().to_string();
+    assert!(err.contains("wrote only 0 usable requests"), "{err}");
+}

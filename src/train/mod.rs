@@ -13,7 +13,9 @@
 
 use crate::backend::{self, attention, attention_after_context, rms_norm, softmax, Rope};
 use crate::chat::Message;
+use crate::generate::StopReason;
 use crate::model::{Config, Model};
+use crate::sampling::{draw, Sampling};
 use crate::store::write_atomic;
 use crate::target::Target;
 use crate::vocab::KeepSet;
@@ -129,6 +131,46 @@ pub struct Conversation {
     pub prompt_len: usize,
     /// Post-norm target features of every token but the last, `[tokens.len() - 1, hidden]`, f16-rounded.
     pub features: Vec<f32>,
+}
+
+/// Magpie's sampling (Xu et al. 2024): temperature 1 over the whole vocabulary, so requests are as varied as what
+/// the model was tuned on.
+const SELF_PROMPT_SAMPLING: Sampling = Sampling { temperature: 1.0, top_p: 1.0 };
+
+/// `count` requests the target writes itself (Magpie): the chat up to the user's turn, continued by sampling until
+/// the turn ends. Attempt a draws from its own stream of `seed`, so a request does not depend on the batch it was
+/// decoded in; attempts that run past `max_tokens`, come out blank or repeat an earlier request are dropped.
+pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize, on_done: &mut dyn FnMut(&str)) -> Result<Vec<String>> {
+    let tok = &target.tokenizer;
+    let prefix = tok.user_turn_prefix()?;
+    let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
+    let (mut probs, mut order) = (Vec::new(), Vec::new());
+    let mut attempts = 0;
+    while out.len() < count {
+        if attempts >= 4 * count + 64 {
+            bail!("the target wrote only {} usable requests in {attempts} attempts (each must end its turn within {max_tokens} tokens and be new)", out.len());
+        }
+        let mut streams: Vec<ChaCha20Rng> = (attempts..attempts + ANSWER_BATCH)
+            .map(|a| {
+                let mut rng = ChaCha20Rng::seed_from_u64(seed ^ 0x5e1f_9e37_79b9_7f4a);
+                rng.set_stream(a as u64);
+                rng
+            })
+            .collect();
+        attempts += ANSWER_BATCH;
+        let written = crate::decode::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], &mut |i, logits| {
+            SELF_PROMPT_SAMPLING.distribution(logits, &mut probs, &mut order);
+            draw(&probs, &mut streams[i])
+        })?;
+        for c in written.into_iter().filter(|c| c.stop == StopReason::EndOfTurn) {
+            let request = tok.decode(&c.tokens[prefix.len()..c.tokens.len() - 1])?.trim().to_string();
+            if out.len() < count && !request.is_empty() && seen.insert(request.clone()) {
+                on_done(&request);
+                out.push(request);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Prompts the target answers together, one batched forward a step: the kernels unpack a weight row once for up

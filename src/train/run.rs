@@ -3,8 +3,8 @@
 //! at the end, the head itself (config.json + model.safetensors), which the engine's EAGLE-1 loader reads.
 
 use super::{
-    checkpoint_due, continuations, export, load_teacher, prompts, save_teacher, teacher_data, teacher_forced, Conversation, State, StepLog, TrainSettings,
-    Trainer,
+    checkpoint_due, continuations, export, load_teacher, prompts, save_teacher, self_prompts, teacher_data, teacher_forced, Conversation, State, StepLog,
+    TrainSettings, Trainer,
 };
 use crate::target::Target;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
@@ -24,6 +24,8 @@ pub struct TrainOptions {
     pub templates: Option<PathBuf>,
     /// Teacher-forced conversations whose answers are corpus text (0: none).
     pub continuations: usize,
+    /// Conversations whose request the target writes itself (Magpie) before answering it (0: none).
+    pub self_prompts: usize,
     pub max_new_tokens: usize,
     pub settings: TrainSettings,
     /// Another training folder whose teacher data this run may reuse.
@@ -47,6 +49,29 @@ fn plain(quiet: bool) -> bool {
 }
 
 type Producer<'a> = dyn FnMut(&mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
+
+/// The requests the target wrote itself, from their file (JSON, for people to read too) or written now and saved.
+fn cached_self_prompts(path: &std::path::Path, target: &Target, o: &TrainOptions) -> Result<Vec<String>> {
+    if path.exists() {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let requests: Vec<String> = serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", path.display()))?;
+        if requests.len() != o.self_prompts {
+            bail!("{} holds {} requests, not {}: it is damaged", path.display(), requests.len(), o.self_prompts);
+        }
+        return Ok(requests);
+    }
+    let b = bar(o.quiet, o.self_prompts, "self-prompts {bar:30} {pos}/{len} requests, ETA {eta}")?;
+    let started = Instant::now();
+    let requests = self_prompts(target, o.self_prompts, o.settings.seed, o.max_new_tokens, &mut |_| {
+        b.inc(1);
+        if plain(o.quiet) && b.position() % 50 == 0 {
+            eprintln!("self-prompts: {}/{} requests, {:.0} s", b.position(), o.self_prompts, started.elapsed().as_secs_f64());
+        }
+    })?;
+    b.finish();
+    crate::store::write_atomic(path, serde_json::to_string_pretty(&requests)?.as_bytes())?;
+    Ok(requests)
+}
 
 /// Conversations from their cache file, or made by `make` (with progress) and cached.
 fn cached(path: &std::path::Path, count: usize, label: &str, quiet: bool, hidden: usize, make: &mut Producer) -> Result<Vec<Conversation>> {
@@ -75,8 +100,8 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     if s.batch == 0 || o.prompts == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
         bail!("--batch, --prompts, --max-new-tokens and --checkpoint-every must be at least 1");
     }
-    if s.batch > o.prompts + o.continuations {
-        bail!("--batch {} is larger than --prompts {} and --continuations {} together", s.batch, o.prompts, o.continuations);
+    if s.batch > o.prompts + o.continuations + o.self_prompts {
+        bail!("--batch {} is larger than --prompts {}, --continuations {} and --self-prompts {} together", s.batch, o.prompts, o.continuations, o.self_prompts);
     }
     if !(s.classification_weight.is_finite() && s.classification_weight >= 0.0) {
         bail!("--classification-weight must be a finite number ≥ 0, not {}", s.classification_weight);
@@ -123,6 +148,12 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         "max_answer_tokens": o.max_new_tokens,
         "seed": s.seed,
     });
+    let self_prompt_identity = serde_json::json!({
+        "target_sha256": data_identity["target_sha256"],
+        "count": o.self_prompts,
+        "max_new_tokens": o.max_new_tokens,
+        "seed": s.seed,
+    });
     let mut identity = serde_json::json!({
         "data": data_identity,
         "settings": s,
@@ -131,7 +162,10 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     });
     // Absent when unused, so folders made before continuations existed keep their identity.
     if o.continuations > 0 {
-        identity["continuations"] = continuation_identity.clone();
+        identity["continuations"] = continuation_identity;
+    }
+    if o.self_prompts > 0 {
+        identity["self_prompts"] = self_prompt_identity;
     }
     // Which parts of another run's teacher data to take over: each one made the same way, so a run with more
     // generated conversations can still take the other's continuations. Checked before anything is written.
@@ -139,15 +173,22 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     if let Some(other) = &o.teacher_from {
         let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
-        let same_answers = theirs["data"] == data_identity;
-        let same_continuations = o.continuations > 0 && theirs["continuations"] == continuation_identity;
-        if !same_answers && !same_continuations {
+        let parts: [(&str, &[&str]); 3] = [
+            ("data", &["teacher.safetensors"]),
+            ("continuations", &["continuations.safetensors"]),
+            ("self_prompts", &["self-prompts.json", "self-prompts.safetensors"]),
+        ];
+        for (part, files) in parts {
+            if identity.get(part).is_some_and(|ours| theirs.get(part) == Some(ours)) {
+                reuse.extend(files.iter().map(|name| (other.join(name), o.out.join(name))));
+            }
+        }
+        if reuse.is_empty() {
             bail!(
-                "--teacher-from {}: neither its generated conversations nor its continuations were made from this target, corpus, count, answer length and seed",
+                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted conversations) was made from this target, corpus, count, answer length and seed",
                 other.display()
             );
         }
-        reuse.extend([(same_answers, "teacher.safetensors"), (same_continuations, "continuations.safetensors")].into_iter().filter(|(same, _)| *same).map(|(_, name)| (other.join(name), o.out.join(name))));
     }
     let run_json = o.out.join("run.json");
     if o.out.exists() && std::fs::read_dir(&o.out)?.next().is_some() {
@@ -180,6 +221,13 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     if !continuations.is_empty() {
         data.extend(cached(&continuations_path, continuations.len(), "continuations", o.quiet, hidden, &mut |on_done| {
             teacher_forced(&target, &continuations, o.max_new_tokens, on_done)
+        })?);
+    }
+
+    if o.self_prompts > 0 {
+        let requests = cached_self_prompts(&o.out.join("self-prompts.json"), &target, o)?;
+        data.extend(cached(&o.out.join("self-prompts.safetensors"), requests.len(), "self-prompted answers", o.quiet, hidden, &mut |on_done| {
+            teacher_data(&target, &requests, o.max_new_tokens, on_done)
         })?);
     }
 
