@@ -196,16 +196,18 @@ fn read_json_if_present(path: &Path) -> Result<Option<Value>> {
 impl Tokenizer {
     /// The token ids of a chat rendered with the model's template, ending where the assistant's reply starts.
     pub fn chat_prompt(&self, messages: &[crate::chat::Message]) -> Result<Vec<u32>> {
-        let template = self.chat_template.as_ref().ok_or_else(|| anyhow!("the model's tokenizer has no chat template"))?;
-        self.encode(&template.render(messages, true)?)
+        self.encode(&self.template()?.render(messages, true)?)
+    }
+
+    fn template(&self) -> Result<&ChatTemplate> {
+        self.chat_template.as_ref().ok_or_else(|| anyhow!("the model's tokenizer has no chat template"))
     }
 
     /// The token ids of a chat up to where the user's first message begins (after the template's default system
     /// prompt, if any): what an instruct model continues with a request of the kind it was tuned on (Magpie).
     pub fn user_turn_prefix(&self) -> Result<Vec<u32>> {
         const MARK: &str = "\u{1}frspec-user-message\u{1}";
-        let template = self.chat_template.as_ref().ok_or_else(|| anyhow!("the model's tokenizer has no chat template"))?;
-        let text = template.render(&[crate::chat::Message::new("user", MARK)], false)?;
+        let text = self.template()?.render(&[crate::chat::Message::new("user", MARK)], false)?;
         let cut = text.find(MARK).ok_or_else(|| anyhow!("the chat template does not show the user's message as written"))?;
         self.encode(&text[..cut])
     }
