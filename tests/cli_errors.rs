@@ -374,6 +374,13 @@ fn teacher_data_is_reused_part_by_part() {
     let err = String::from_utf8_lossy(&done.stderr);
     assert!(!done.status.success() && err.contains("none of its teacher data"), "{err}");
     assert!(!third.exists(), "no partial output");
+    // A damaged request file in a folder stops the run with one error naming it.
+    for (text, expected) in [("not json", "self-prompts.json is damaged"), (r#"["one request"]"#, "holds 1 requests, not 2: it is damaged")] {
+        std::fs::write(second.join("self-prompts.json"), text).unwrap();
+        let (done, _) = run("second", "3", "2", &[]);
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert!(!done.status.success() && err.contains(expected) && err.lines().count() == 1, "{err}");
+    }
     // Asking the first folder for more self-prompted conversations is another run.
     let (done, _) = run("first", "2", "3", &[]);
     let err = String::from_utf8_lossy(&done.stderr);
