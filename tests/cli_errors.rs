@@ -347,14 +347,15 @@ fn teacher_data_is_reused_part_by_part() {
     std::fs::write(&corpus, lines.join("\n")).unwrap();
     let model = synthetic_dir();
     let (m, c) = (model.path().to_str().unwrap(), corpus.to_str().unwrap());
-    let run = |out: &str, prompts: &str, self_prompts: &str, extra: &[&str]| {
+    let run_with = |out: &str, prompts: &str, continuations: &str, self_prompts: &str, extra: &[&str]| {
         let out = dir.path().join(out);
         let mut args = vec!["train-eagle", "--target", m, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", prompts, "--self-prompts", self_prompts];
         // Requests the target writes itself need room to end their turn.
-        args.extend(["--continuations", "2", "--batch", "1", "--max-new-tokens", "48", "--steps", "1", "--quiet"]);
+        args.extend(["--continuations", continuations, "--batch", "1", "--max-new-tokens", "48", "--steps", "1", "--quiet"]);
         args.extend(extra);
         (frspec().args(&args).output().unwrap(), out)
     };
+    let run = |out: &str, prompts: &str, self_prompts: &str, extra: &[&str]| run_with(out, prompts, "2", self_prompts, extra);
     let (done, first) = run("first", "2", "2", &[]);
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     let from = first.to_str().unwrap();
@@ -369,6 +370,15 @@ fn teacher_data_is_reused_part_by_part() {
     assert_ne!(bytes(second.join("teacher.safetensors")), bytes(first.join("teacher.safetensors")));
     let requests: Vec<String> = serde_json::from_slice(&bytes(first.join("self-prompts.json"))).unwrap();
     assert_eq!(requests.len(), 2);
+    // Fewer of every part: the first ones of the larger folder, byte for byte what a run from nothing makes.
+    let (done, fewer) = run_with("fewer", "2", "1", "1", &["--teacher-from", second.to_str().unwrap()]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let (done, alone) = run_with("alone", "2", "1", "1", &[]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    for part in ["teacher.safetensors", "continuations.safetensors", "self-prompts.json", "self-prompts.safetensors"] {
+        assert_eq!(bytes(fewer.join(part)), bytes(alone.join(part)), "{part}");
+    }
+    assert_ne!(bytes(fewer.join("teacher.safetensors")), bytes(second.join("teacher.safetensors")));
     // Another seed shares no part.
     let (done, third) = run("third", "2", "2", &["--teacher-from", from, "--seed", "3"]);
     let err = String::from_utf8_lossy(&done.stderr);

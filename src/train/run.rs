@@ -10,7 +10,7 @@ use crate::target::Target;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 pub struct TrainOptions {
@@ -51,7 +51,7 @@ fn plain(quiet: bool) -> bool {
 type Producer<'a> = dyn FnMut(&mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
 
 /// The requests the target wrote itself, from their file (JSON, for people to read too) or written now and saved.
-fn cached_self_prompts(path: &std::path::Path, target: &Target, o: &TrainOptions) -> Result<Vec<String>> {
+fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result<Vec<String>> {
     if path.exists() {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
         let requests: Vec<String> = serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", path.display()))?;
@@ -74,7 +74,7 @@ fn cached_self_prompts(path: &std::path::Path, target: &Target, o: &TrainOptions
 }
 
 /// Conversations from their cache file, or made by `make` (with progress) and cached.
-fn cached(path: &std::path::Path, count: usize, label: &str, quiet: bool, hidden: usize, make: &mut Producer) -> Result<Vec<Conversation>> {
+fn cached(path: &Path, count: usize, label: &str, quiet: bool, hidden: usize, make: &mut Producer) -> Result<Vec<Conversation>> {
     if path.exists() {
         return load_teacher(path, hidden);
     }
@@ -93,6 +93,34 @@ fn cached(path: &std::path::Path, count: usize, label: &str, quiet: bool, hidden
     b.finish();
     save_teacher(path, &data, hidden)?;
     Ok(data)
+}
+
+/// Whether this run can take over a part of another run's teacher data, and then whether only its first `n`
+/// conversations: the part made the same way, in as many or more. Every part is prefix-stable (prompts and passages
+/// are drawn in a seeded order, each conversation is answered or read as it would be alone, requests the target
+/// writes come from one stream per attempt), so the first `n` of more are the `n` made alone.
+fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str) -> Option<Option<usize>> {
+    let count = |v: &serde_json::Value| v.get(count_key).and_then(|c| c.as_u64());
+    let (n, available) = (count(ours)?, count(theirs)?);
+    let mut same_count = theirs.clone();
+    same_count[count_key] = ours[count_key].clone();
+    (same_count == *ours && available >= n).then_some((available > n).then_some(n as usize))
+}
+
+/// Copy a teacher-data file of another run, or only its first `take` conversations (requests).
+fn take_over(from: &Path, to: &Path, take: Option<usize>, hidden: usize) -> Result<()> {
+    let Some(n) = take else {
+        std::fs::copy(from, to).with_context(|| format!("cannot copy {}", from.display()))?;
+        return Ok(());
+    };
+    let short = || anyhow!("{} holds fewer than the {n} its run.json promises: it is damaged", from.display());
+    if from.extension().is_some_and(|e| e == "json") {
+        let text = std::fs::read_to_string(from).with_context(|| format!("cannot read {}", from.display()))?;
+        let requests: Vec<String> = serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", from.display()))?;
+        crate::store::write_atomic(to, serde_json::to_string_pretty(requests.get(..n).ok_or_else(short)?)?.as_bytes())
+    } else {
+        save_teacher(to, load_teacher(from, hidden)?.get(..n).ok_or_else(short)?, hidden)
+    }
 }
 
 pub fn train_eagle(o: &TrainOptions) -> Result<()> {
@@ -168,24 +196,25 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         identity["self_prompts"] = self_prompt_identity;
     }
     // Which parts of another run's teacher data to take over: each one made the same way, so a run with more
-    // generated conversations can still take the other's continuations. Checked before anything is written.
+    // generated conversations can still take the other's continuations, and one with fewer the first of them.
+    // Checked before anything is written.
     let mut reuse = Vec::new();
     if let Some(other) = &o.teacher_from {
         let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
-        let parts: [(&str, &[&str]); 3] = [
-            ("data", &["teacher.safetensors"]),
-            ("continuations", &["continuations.safetensors"]),
-            ("self_prompts", &["self-prompts.json", "self-prompts.safetensors"]),
+        let parts: [(&str, &str, &[&str]); 3] = [
+            ("data", "prompts", &["teacher.safetensors"]),
+            ("continuations", "count", &["continuations.safetensors"]),
+            ("self_prompts", "count", &["self-prompts.json", "self-prompts.safetensors"]),
         ];
-        for (part, files) in parts {
-            if identity.get(part).is_some_and(|ours| theirs.get(part) == Some(ours)) {
-                reuse.extend(files.iter().map(|name| (other.join(name), o.out.join(name))));
+        for (part, count_key, files) in parts {
+            if let Some(take) = identity.get(part).and_then(|ours| taken(ours, theirs.get(part)?, count_key)) {
+                reuse.extend(files.iter().map(|name| (other.join(name), o.out.join(name), take)));
             }
         }
         if reuse.is_empty() {
             bail!(
-                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted conversations) was made from this target, corpus, count, answer length and seed",
+                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted conversations) was made from this target, corpus, answer length and seed in at least this count",
                 other.display()
             );
         }
@@ -212,9 +241,9 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     let hidden = target.model.config.hidden;
     let teacher_path = o.out.join("teacher.safetensors");
     let continuations_path = o.out.join("continuations.safetensors");
-    for (from, to) in &reuse {
+    for (from, to, take) in &reuse {
         if !to.exists() && from.exists() {
-            std::fs::copy(from, to).with_context(|| format!("cannot copy {}", from.display()))?;
+            take_over(from, to, *take, hidden)?;
         }
     }
     let mut data = cached(&teacher_path, prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| teacher_data(&target, &prompts, o.max_new_tokens, on_done))?;
