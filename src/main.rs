@@ -248,7 +248,8 @@ enum Command {
         /// (EAGLE-1's 0.1).
         #[arg(long, default_value_t = frspec::train::EAGLE_CLASSIFICATION_WEIGHT)]
         classification_weight: f64,
-        /// Reuse the teacher data of another training folder made from the same target, corpus, prompts and seed.
+        /// Reuse the teacher data of another training folder made from the same target, corpus and seed, in as many
+        /// conversations or more (then its first ones).
         #[arg(long)]
         teacher_from: Option<PathBuf>,
         /// Train against a pruned vocabulary ranked by these frequencies (a file or a named one such as
