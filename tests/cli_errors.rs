@@ -391,6 +391,13 @@ fn teacher_data_is_reused_part_by_part() {
         let err = String::from_utf8_lossy(&done.stderr);
         assert!(!done.status.success() && err.contains(expected) && err.lines().count() == 1, "{err}");
     }
+    // So does a damaged request file in the folder whose first requests are taken.
+    for (i, (text, expected)) in [("not json", "self-prompts.json is damaged"), ("[]", "holds fewer than the 1 its run.json promises")].into_iter().enumerate() {
+        std::fs::write(second.join("self-prompts.json"), text).unwrap();
+        let (done, _) = run_with(&format!("taker{i}"), "2", "1", "1", &["--teacher-from", second.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert!(!done.status.success() && err.contains(expected) && err.lines().count() == 1, "{err}");
+    }
     // Asking the first folder for more self-prompted conversations is another run.
     let (done, _) = run("first", "2", "3", &[]);
     let err = String::from_utf8_lossy(&done.stderr);

@@ -50,11 +50,25 @@ fn plain(quiet: bool) -> bool {
 
 type Producer<'a> = dyn FnMut(&mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
 
-/// The requests the target wrote itself, from their file (JSON, for people to read too) or written now and saved.
+// The cached teacher data, one file per part (the requests kept as JSON, for people to read too).
+const TEACHER_FILE: &str = "teacher.safetensors";
+const CONTINUATIONS_FILE: &str = "continuations.safetensors";
+const REQUESTS_FILE: &str = "self-prompts.json";
+const SELF_PROMPTED_FILE: &str = "self-prompts.safetensors";
+
+fn read_requests(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", path.display()))
+}
+
+fn write_requests(path: &Path, requests: &[String]) -> Result<()> {
+    crate::store::write_atomic(path, serde_json::to_string_pretty(requests)?.as_bytes())
+}
+
+/// The requests the target wrote itself, from their file or written now and saved.
 fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result<Vec<String>> {
     if path.exists() {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let requests: Vec<String> = serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", path.display()))?;
+        let requests = read_requests(path)?;
         if requests.len() != o.self_prompts {
             bail!("{} holds {} requests, not {}: it is damaged", path.display(), requests.len(), o.self_prompts);
         }
@@ -69,7 +83,7 @@ fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result
         }
     })?;
     b.finish();
-    crate::store::write_atomic(path, serde_json::to_string_pretty(&requests)?.as_bytes())?;
+    write_requests(path, &requests)?;
     Ok(requests)
 }
 
@@ -114,10 +128,8 @@ fn take_over(from: &Path, to: &Path, take: Option<usize>, hidden: usize) -> Resu
         return Ok(());
     };
     let short = || anyhow!("{} holds fewer than the {n} its run.json promises: it is damaged", from.display());
-    if from.extension().is_some_and(|e| e == "json") {
-        let text = std::fs::read_to_string(from).with_context(|| format!("cannot read {}", from.display()))?;
-        let requests: Vec<String> = serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", from.display()))?;
-        crate::store::write_atomic(to, serde_json::to_string_pretty(requests.get(..n).ok_or_else(short)?)?.as_bytes())
+    if from.ends_with(REQUESTS_FILE) {
+        write_requests(to, read_requests(from)?.get(..n).ok_or_else(short)?)
     } else {
         save_teacher(to, load_teacher(from, hidden)?.get(..n).ok_or_else(short)?, hidden)
     }
@@ -203,9 +215,9 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
         let parts: [(&str, &str, &[&str]); 3] = [
-            ("data", "prompts", &["teacher.safetensors"]),
-            ("continuations", "count", &["continuations.safetensors"]),
-            ("self_prompts", "count", &["self-prompts.json", "self-prompts.safetensors"]),
+            ("data", "prompts", &[TEACHER_FILE]),
+            ("continuations", "count", &[CONTINUATIONS_FILE]),
+            ("self_prompts", "count", &[REQUESTS_FILE, SELF_PROMPTED_FILE]),
         ];
         for (part, count_key, files) in parts {
             if let Some(take) = identity.get(part).and_then(|ours| taken(ours, theirs.get(part)?, count_key)) {
@@ -239,23 +251,21 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         return Ok(());
     }
     let hidden = target.model.config.hidden;
-    let teacher_path = o.out.join("teacher.safetensors");
-    let continuations_path = o.out.join("continuations.safetensors");
     for (from, to, take) in &reuse {
         if !to.exists() && from.exists() {
             take_over(from, to, *take, hidden)?;
         }
     }
-    let mut data = cached(&teacher_path, prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| teacher_data(&target, &prompts, o.max_new_tokens, on_done))?;
+    let mut data = cached(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| teacher_data(&target, &prompts, o.max_new_tokens, on_done))?;
     if !continuations.is_empty() {
-        data.extend(cached(&continuations_path, continuations.len(), "continuations", o.quiet, hidden, &mut |on_done| {
+        data.extend(cached(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", o.quiet, hidden, &mut |on_done| {
             teacher_forced(&target, &continuations, o.max_new_tokens, on_done)
         })?);
     }
 
     if o.self_prompts > 0 {
-        let requests = cached_self_prompts(&o.out.join("self-prompts.json"), &target, o)?;
-        data.extend(cached(&o.out.join("self-prompts.safetensors"), requests.len(), "self-prompted answers", o.quiet, hidden, &mut |on_done| {
+        let requests = cached_self_prompts(&o.out.join(REQUESTS_FILE), &target, o)?;
+        data.extend(cached(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", o.quiet, hidden, &mut |on_done| {
             teacher_data(&target, &requests, o.max_new_tokens, on_done)
         })?);
     }
