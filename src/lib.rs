@@ -6,21 +6,18 @@
 //! records → summary (stats) → store (Parquet) and report.
 
 pub mod assets;
-pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod check;
 pub mod dataset;
-pub mod decode;
-pub mod draft;
-pub mod generate;
+pub mod engine;
 pub mod hub;
 pub mod manifest;
-pub mod model;
 pub mod plot;
 pub mod report;
 pub mod sampling;
 pub mod score;
+pub mod speculative;
 pub mod spec;
 pub mod stats;
 pub mod store;
@@ -28,7 +25,6 @@ pub mod summary;
 pub mod sweep;
 pub mod synthetic;
 pub mod target;
-pub mod tensor;
 pub mod tokenizer;
 pub mod train;
 pub mod vocab;

@@ -1,8 +1,8 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use frspec::chat::Message;
-use frspec::decode::{speculative_turn, SpecConfig};
-use frspec::draft::{DraftHead, DraftKind, DraftMode, HeadMode};
+use frspec::speculative::decode::{speculative_turn, SpecConfig};
+use frspec::speculative::{DraftHead, DraftKind, DraftMode, HeadMode};
 use frspec::sampling::Sampling;
 use frspec::sweep::FolderMode;
 use frspec::vocab::{CorpusFormat, Frequencies, KeepRule, KeepSet};
@@ -473,7 +473,7 @@ fn run(cli: Cli) -> Result<()> {
                     (None, None) => unreachable!("enabled() checked"),
                 };
                 let keep = spec.keep_set(&target)?;
-                let mut draft = frspec::draft::build(&kind, spec.draft.as_deref(), &target, &model.model)?;
+                let mut draft = frspec::engine::cpu::draft::build(&kind, spec.draft.as_deref(), &target, &model.model)?;
                 let head = DraftHead::new(draft.lm_head(), keep, spec.head)?;
                 let kept = head.kept();
                 let cfg = SpecConfig { k: spec.k, mode: spec.draft_mode, sampling, max_new_tokens };
@@ -493,7 +493,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 (tokens, summary)
             } else {
-                let g = frspec::generate::generate(&target.model, &target.tokenizer, &ids, max_new_tokens, sampling, &mut rng)?;
+                let g = frspec::speculative::generate::generate(&target.model, &target.tokenizer.stop_ids, &ids, max_new_tokens, sampling, &mut rng)?;
                 let summary = format!(
                     "prompt {} tokens, {:.1} tokens/s prefill; generated {} tokens, {:.1} tokens/s; stop: {:?}",
                     g.prompt_tokens,
@@ -682,21 +682,21 @@ fn run(cli: Cli) -> Result<()> {
             if lengths.iter().any(|l| !(*l >= 1.0)) {
                 bail!("--lengths: every mean acceptance length is at least 1");
             }
-            let device = frspec::backend::device(&model.device)?;
-            let dt = frspec::backend::dtype(&dtype)?;
+            let device = frspec::engine::candle::device(&model.device)?;
+            let dt = frspec::engine::candle::dtype(&dtype)?;
             let (llama, engine, tokens, weights) = match &shape {
                 Some(name) => {
                     if compare_engine {
                         bail!("--compare-engine needs --model (random weights exist on the device only)");
                     }
-                    let shape = frspec::backend::named_shape(name)?;
+                    let shape = frspec::engine::candle::llama::named_shape(name)?;
                     let tokens = frspec::bench::device::synthetic_prompt(prompt_tokens, shape.vocab);
-                    (frspec::backend::Llama::random(&shape, &device, dt)?, None, tokens, "random".to_string())
+                    (frspec::engine::candle::llama::Llama::random(&shape, &device, dt)?, None, tokens, "random".to_string())
                 }
                 None => {
                     let target = Target::load(&model.model)?;
                     let tokens = target.tokenizer.chat_prompt(&[Message::new("user", &prompt)])?;
-                    let llama = frspec::backend::Llama::from_engine(&target.model, &device, dt)?;
+                    let llama = frspec::engine::candle::llama::Llama::from_engine(&target.model, &device, dt)?;
                     (llama, compare_engine.then_some(target.model), tokens, target.source.display().to_string())
                 }
             };
@@ -750,10 +750,10 @@ fn run(cli: Cli) -> Result<()> {
                     bail!("--hidden must be a multiple of 32 (the CPU kernels' block size), got {hidden}");
                 }
                 let roof = frspec::bench::roofline()?;
-                let threads = frspec::tensor::pool().current_num_threads();
+                let threads = frspec::engine::cpu::tensor::pool().current_num_threads();
                 (roof, frspec::bench::head(hidden, vocab, &batch, &ratios, &dtype, roof)?, format!("{threads} threads, frspec kernel"))
             } else {
-                let (dev, dt) = (frspec::backend::device(&device)?, frspec::backend::dtype(&dtype)?);
+                let (dev, dt) = (frspec::engine::candle::device(&device)?, frspec::engine::candle::dtype(&dtype)?);
                 let roof = frspec::bench::device::roofline(&dev, dt)?;
                 (roof, frspec::bench::device::head(hidden, vocab, &batch, &ratios, &dev, dt, roof)?, format!("{device}, candle matmul"))
             };
@@ -785,7 +785,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             let target = model.load()?;
             let freqs = Frequencies::open(&freq)?;
-            let mut d = frspec::draft::build(&draft_kind, draft.as_deref(), &target, &model.model)?;
+            let mut d = frspec::engine::cpu::draft::build(&draft_kind, draft.as_deref(), &target, &model.model)?;
             let rows = frspec::bench::draft_heads(&target, d.as_mut(), &freqs, &ratios, k, reps, "What is the capital of France?")?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -817,7 +817,7 @@ fn run(cli: Cli) -> Result<()> {
                 .take(num_prompts)
                 .map(|q| target.tokenizer.chat_prompt(&[Message::new("user", &q.turns[0])]))
                 .collect::<Result<Vec<_>>>()?;
-            let mut make = || frspec::draft::build(&draft_kind, draft.as_deref(), &target, &model.model);
+            let mut make = || frspec::engine::cpu::draft::build(&draft_kind, draft.as_deref(), &target, &model.model);
             let b = frspec::bench::fast_path(&target, &mut make, &freqs, &ratios, &prompts, k, max_new_tokens)?;
             println!(
                 "{} ratios × {} prompts, k = {k}, T = 0: independent loops {:.1} s, fast path {:.1} s ({:.2}× faster); counts agree: {}",
@@ -840,7 +840,7 @@ fn run(cli: Cli) -> Result<()> {
             let mut rng = ChaCha20Rng::seed_from_u64(0);
             for q in &questions {
                 let prompt = target.tokenizer.chat_prompt(&[Message::new("user", &q.turns[0])])?;
-                let g = frspec::generate::generate(&target.model, &target.tokenizer, &prompt, max_new_tokens, Sampling::GREEDY, &mut rng)?;
+                let g = frspec::speculative::generate::generate(&target.model, &target.tokenizer.stop_ids, &prompt, max_new_tokens, Sampling::GREEDY, &mut rng)?;
                 g.tokens.iter().for_each(|&t| counts[t as usize] += 1);
                 bar.inc(1);
             }

@@ -47,15 +47,54 @@ pub struct Hardware {
     pub os: &'static str,
     pub arch: &'static str,
     pub device: String,
+    pub engine: crate::engine::EngineKind,
+    pub dtype: String,
+    /// On a GPU: what `nvidia-smi` says of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<Gpu>,
+}
+
+#[derive(Serialize)]
+pub struct Gpu {
+    pub name: String,
+    pub driver: String,
+    /// The CUDA version the driver supports.
+    pub cuda: String,
 }
 
 impl Hardware {
-    pub fn here(device: &str) -> Hardware {
+    pub fn here(device: &str, engine: crate::engine::EngineKind, dtype: &str) -> Hardware {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
             .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
             .unwrap_or_else(|| "unknown".into());
-        Hardware { cpu, threads: crate::tensor::pool().current_num_threads(), os: std::env::consts::OS, arch: std::env::consts::ARCH, device: device.into() }
+        let gpu = device.starts_with("cuda").then(|| Gpu::of(device)).flatten();
+        Hardware {
+            cpu,
+            threads: crate::engine::cpu::tensor::pool().current_num_threads(),
+            os: std::env::consts::OS,
+            arch: std::env::consts::ARCH,
+            device: device.into(),
+            engine,
+            dtype: dtype.into(),
+            gpu,
+        }
+    }
+}
+
+impl Gpu {
+    /// The GPU `cuda[:N]` names, as `nvidia-smi` reports it (candle exposes neither name nor driver).
+    fn of(device: &str) -> Option<Gpu> {
+        let index = device.strip_prefix("cuda:").unwrap_or("0");
+        let run = |args: &[&str]| -> Option<String> {
+            let out = std::process::Command::new("nvidia-smi").args(args).output().ok()?;
+            out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+        };
+        let query = run(&["--query-gpu=name,driver_version", "--format=csv,noheader", "-i", index])?;
+        let (name, driver) = query.trim().split_once(", ")?;
+        let banner = run(&[]).unwrap_or_default();
+        let cuda = banner.split("CUDA Version:").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or("unknown");
+        Some(Gpu { name: name.into(), driver: driver.into(), cuda: cuda.into() })
     }
 }
 

@@ -1,7 +1,7 @@
 //! Teacher-forced scoring along a fixed token sequence: the tool for comparing numerics with other
 //! implementations position by position (texts diverge at near-ties; logits along one sequence do not).
 
-use crate::model::Model;
+use crate::engine::cpu::model::Model;
 use crate::sampling::{argmax, log_prob};
 use anyhow::{bail, Result};
 use serde::Serialize;

@@ -2,7 +2,8 @@
 //! keys as the flags in snake_case), vLLM's `--speculative-config` JSON, then the command-line flags.
 //! `resolve` turns the merged layers into `Settings`, every field decided.
 
-use crate::draft::{DraftKind, DraftMode};
+use crate::engine::EngineKind;
+use crate::speculative::{DraftKind, DraftMode};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -63,12 +64,15 @@ pub struct SweepSpec {
     /// How the draft proposes: argmax (vLLM) or sample (full speculative sampling).
     #[arg(long, value_enum)]
     pub draft_mode: Option<DraftMode>,
-    /// Compute device. This build computes on the CPU only.
+    /// cpu, cuda or cuda:N (a build with --features cuda), or auto: the first GPU when one is usable, else the CPU.
     #[arg(long)]
     pub device: Option<String>,
-    /// Activation dtype. The CPU path computes in f32.
+    /// f32, f16 or bf16 (default: f32 on the CPU, bf16 on a GPU). The CPU engine computes in f32 only.
     #[arg(long)]
     pub dtype: Option<String>,
+    /// cpu (frspec's bit-exact kernels; the default on the CPU) or candle (the default on a GPU).
+    #[arg(long, value_enum)]
+    pub engine: Option<EngineKind>,
 }
 
 impl SweepSpec {
@@ -165,6 +169,7 @@ pub fn preset(name: &str) -> Result<SweepSpec> {
             dataset: Some("philschmid/mt-bench".into()),
             max_new_tokens: Some(256),
             ratios,
+            device: Some("auto".into()),
             ..SweepSpec::default()
         },
         other => bail!("unknown preset `{other}` (known: {})", PRESETS.join(", ")),
@@ -202,6 +207,9 @@ pub struct Settings {
     pub draft_mode: DraftMode,
     pub device: String,
     pub dtype: String,
+    /// Left out of the settings' JSON for the CPU engine, so folders made before engines existed keep their identity.
+    #[serde(skip_serializing_if = "EngineKind::is_cpu")]
+    pub engine: EngineKind,
 }
 
 fn as_display<S: serde::Serializer>(kind: &DraftKind, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -235,6 +243,13 @@ pub fn resolve(file: Option<&SweepSpec>, vllm: Option<&SweepSpec>, flags: &Sweep
         (Some(r), None) => Pruning::Ratios(r),
         (None, None) => Pruning::Ratios(vec![0.0, 0.25, 0.5, 0.75, 0.9, 0.99]),
     };
+    let device = match s.device.as_deref() {
+        None => "cpu".to_string(),
+        Some("auto") if crate::engine::candle::gpu_present() => "cuda".to_string(),
+        Some("auto") => "cpu".to_string(),
+        Some(d) => d.to_string(),
+    };
+    let on_cpu = device == "cpu";
     Ok(Settings {
         preset: preset_name,
         model: s.model.unwrap_or_else(|| crate::target::DEFAULT_MODEL.into()),
@@ -253,8 +268,9 @@ pub fn resolve(file: Option<&SweepSpec>, vllm: Option<&SweepSpec>, flags: &Sweep
         turns: s.turns.unwrap_or(1),
         max_new_tokens: s.max_new_tokens.unwrap_or(128),
         draft_mode: s.draft_mode.unwrap_or(DraftMode::Argmax),
-        device: s.device.unwrap_or_else(|| "cpu".into()),
-        dtype: s.dtype.unwrap_or_else(|| "f32".into()),
+        dtype: s.dtype.unwrap_or_else(|| if on_cpu { "f32" } else { "bf16" }.into()),
+        engine: s.engine.unwrap_or(if on_cpu { EngineKind::Cpu } else { EngineKind::Candle }),
+        device,
     })
 }
 

@@ -41,8 +41,8 @@ impl Counts {
     }
 }
 
-impl From<&crate::decode::TurnRecord> for Counts {
-    fn from(r: &crate::decode::TurnRecord) -> Counts {
+impl From<&crate::speculative::decode::TurnRecord> for Counts {
+    fn from(r: &crate::speculative::decode::TurnRecord) -> Counts {
         Counts {
             drafts: r.drafts,
             draft_tokens: r.draft_tokens,

@@ -3,7 +3,7 @@
 
 use crate::assets;
 use crate::hub::{Hub, RepoId, RepoKind};
-use crate::model::Model;
+use crate::engine::cpu::model::Model;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Gguf;
 use anyhow::{bail, Context, Result};

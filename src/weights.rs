@@ -2,7 +2,7 @@
 //!
 //! Both sources answer by canonical (GGUF-style) tensor names, so the model is built by one function.
 
-use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, Matrix, Storage, QK};
+use crate::engine::cpu::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, Matrix, Storage, QK};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;

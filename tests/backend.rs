@@ -4,11 +4,11 @@
 
 mod common;
 use common::frspec;
-use frspec::backend::{greedy, named_shape, EagleStep, Llama};
-use frspec::model::Config;
+use frspec::engine::candle::llama::{greedy, named_shape, EagleStep, Llama};
+use frspec::engine::cpu::model::Config;
 use frspec::bench::engine_greedy;
 use frspec::chat::Message;
-use frspec::model::Model;
+use frspec::engine::cpu::model::Model;
 use frspec::synthetic::{self, Shape};
 use frspec::target::Target;
 use candle_core::{DType, Device, Tensor};

@@ -28,8 +28,8 @@ fn llama3_rope_scaling_matches_transformers() {
     });
     let path = dir.path().join("config.json");
     std::fs::write(&path, config.to_string()).unwrap();
-    let c = frspec::model::hf_config(&path).unwrap();
-    let g = frspec::model::Geometry::new(&c, None);
+    let c = frspec::engine::cpu::model::hf_config(&path).unwrap();
+    let g = frspec::engine::cpu::model::Geometry::new(&c, None);
     // transformers ROPE_INIT_FUNCTIONS["llama3"] at indices 0, 10, 20, 30, 40, 50, 63.
     let want = [1.0, 0.12868738174438477, 0.016560440883040428, 0.0013718936825171113, 3.428102354519069e-05, 4.411534519022098e-06, 3.068925877869333e-07];
     for (i, w) in [0, 10, 20, 30, 40, 50, 63].iter().zip(want) {

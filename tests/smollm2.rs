@@ -3,7 +3,7 @@
 mod common;
 use common::asset;
 use frspec::chat::Message;
-use frspec::generate::{generate, StopReason};
+use frspec::speculative::generate::{generate, StopReason};
 use frspec::sampling::Sampling;
 use frspec::target::Target;
 use rand::SeedableRng;
@@ -31,7 +31,7 @@ fn answers_the_france_question() {
     let t = target();
     let prompt = t.tokenizer.chat_prompt(&[Message::new("user", "What is the capital of France?")]).unwrap();
     let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
-    let g = generate(&t.model, &t.tokenizer, &prompt, 32, Sampling::GREEDY, &mut rng).unwrap();
+    let g = generate(&t.model, &t.tokenizer.stop_ids, &prompt, 32, Sampling::GREEDY, &mut rng).unwrap();
     assert_eq!(g.stop, StopReason::EndOfTurn);
     let text = t.tokenizer.decode(&g.tokens[..g.tokens.len() - 1]).unwrap();
     assert_eq!(text, "The capital of France is Paris.");
@@ -85,7 +85,7 @@ fn chat_sequence() -> Vec<u32> {
     let (_, turns) = &mt_bench_turns()[0];
     let mut tokens = t.tokenizer.chat_prompt(&[Message::new("user", &turns[0])]).unwrap();
     let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
-    let g = generate(&t.model, &t.tokenizer, &tokens, 24, Sampling::GREEDY, &mut rng).unwrap();
+    let g = generate(&t.model, &t.tokenizer.stop_ids, &tokens, 24, Sampling::GREEDY, &mut rng).unwrap();
     tokens.extend(g.tokens);
     tokens
 }
@@ -147,10 +147,10 @@ fn sampled_continuations_decoded_together_get_what_each_gets_alone() {
         rng.set_stream(i);
         rng
     };
-    let alone: Vec<Vec<u32>> = (0..4).map(|i| generate(&t.model, &t.tokenizer, &prefix, 24, sampling, &mut stream(i)).unwrap().tokens).collect();
+    let alone: Vec<Vec<u32>> = (0..4).map(|i| generate(&t.model, &t.tokenizer.stop_ids, &prefix, 24, sampling, &mut stream(i)).unwrap().tokens).collect();
     let mut streams: Vec<_> = (0..4).map(stream).collect();
     let (mut probs, mut order) = (Vec::new(), Vec::new());
-    let together = frspec::decode::continuations(&t.model, &t.tokenizer.stop_ids, &vec![prefix.as_slice(); 4], 24, &[], &mut |i, logits| {
+    let together = frspec::engine::cpu::continuations(&t.model, &t.tokenizer.stop_ids, &vec![prefix.as_slice(); 4], 24, &[], &mut |i, logits| {
         sampling.distribution(logits, &mut probs, &mut order);
         frspec::sampling::draw(&probs, &mut streams[i])
     })
@@ -167,21 +167,22 @@ fn prompts_decoded_together_get_what_each_gets_alone() {
     let m = &t.model;
     let prompts: Vec<Vec<u32>> = mt_bench_turns()[..11].iter().map(|(_, turns)| t.tokenizer.chat_prompt(&[Message::new("user", &turns[0])]).unwrap()).collect();
     let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
-    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| generate(&m, &t.tokenizer, p, 20, Sampling::GREEDY, &mut rng).unwrap().tokens).collect();
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| generate(m, &t.tokenizer.stop_ids, p, 20, Sampling::GREEDY, &mut rng).unwrap().tokens).collect();
     // A token many answers reach makes the batch shrink as they stop.
     let mut stops = t.tokenizer.stop_ids.clone();
     let reached_by = |x: &u32| alone.iter().filter(|a| a[..19].contains(x)).count();
     stops.push(*alone.concat().iter().max_by_key(|x| (reached_by(x), **x)).unwrap());
     let layers = [0, m.config.layers / 2];
-    let together = frspec::decode::greedy_continuations(m, &stops, &prompts, 20, &layers).unwrap();
+    let together = frspec::engine::cpu::greedy_continuations(m, &stops, &prompts, 20, &layers).unwrap();
     let mut stopped_early = 0;
     for ((prompt, answer), c) in prompts.iter().zip(&alone).zip(&together) {
         let end = answer.iter().position(|x| stops.contains(x)).map_or(answer.len(), |i| i + 1);
         stopped_early += usize::from(end < 20);
         assert_eq!(c.tokens, [&prompt[..], &answer[..end]].concat());
         let fwd = m.forward(&c.tokens[..c.tokens.len() - 1], &mut m.new_cache(), &[], &layers).unwrap();
-        assert_eq!(c.features, fwd.hidden);
-        assert_eq!(c.captured, fwd.layer_inputs);
+        let mut want = frspec::engine::cpu::CpuFeatures::new(m.config.hidden, &layers);
+        want.append(&fwd.hidden, &fwd.layer_inputs);
+        assert_eq!((&c.features.hidden, &c.features.layers), (&want.hidden, &want.layers));
     }
     assert!((2..prompts.len()).contains(&stopped_early), "{stopped_early} answers stopped early");
 }

@@ -5,10 +5,11 @@
 mod common;
 use common::asset;
 use frspec::chat::Message;
-use frspec::decode::{speculative_turn, SpecConfig, TurnRecord};
-use frspec::draft::{build, Draft, DraftHead, DraftKind, DraftMode, EagleDraft, HeadMode, ModelDraft};
-use frspec::generate::generate;
-use frspec::model::Model;
+use frspec::speculative::decode::{speculative_turn, SpecConfig, TurnRecord};
+use frspec::engine::cpu::draft::{build, EagleDraft, ModelDraft};
+use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode};
+use frspec::speculative::generate::generate;
+use frspec::engine::cpu::model::Model;
 use frspec::sampling::Sampling;
 use frspec::synthetic::{self, Shape};
 use frspec::target::Target;
@@ -59,7 +60,7 @@ fn smollm2_shape() -> Shape {
     Shape { hidden: c.hidden, intermediate: c.intermediate, layers: 1, heads: c.heads, kv_heads: c.kv_heads, vocab: c.vocab, tied: true, qkv_bias: false }
 }
 
-fn run(draft: &mut dyn Draft, keep: Option<KeepSet>, mode: HeadMode, prompt: &[u32], cfg: &SpecConfig, seed: u64) -> (Vec<u32>, TurnRecord) {
+fn run(draft: &mut dyn Draft<Model>, keep: Option<KeepSet>, mode: HeadMode, prompt: &[u32], cfg: &SpecConfig, seed: u64) -> (Vec<u32>, TurnRecord) {
     let t = smollm2();
     let head = DraftHead::new(draft.lm_head(), keep, mode).unwrap();
     let mut rng = ChaCha20Rng::seed_from_u64(seed);
@@ -72,11 +73,11 @@ fn greedy_speculative_output_equals_target_greedy_for_every_ratio_k_and_draft() 
     let prompts = mt_bench_prompts(10);
     let baselines: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|p| generate(&t.model, &t.tokenizer, p, 64, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens)
+        .map(|p| generate(&t.model, &t.tokenizer.stop_ids, p, 64, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens)
         .collect();
     let eagle_dir = tempfile::tempdir().unwrap();
     synthetic::write_eagle_head(eagle_dir.path(), &smollm2_shape(), 3).unwrap();
-    let mut drafts: Vec<Box<dyn Draft>> = vec![
+    let mut drafts: Vec<Box<dyn Draft<Model>>> = vec![
         build(&DraftKind::Truncated(2), None, t, "smollm2").unwrap(),
         Box::new(EagleDraft::load(eagle_dir.path(), &t.model).unwrap()),
     ];
@@ -106,7 +107,7 @@ fn slice_and_mask_heads_give_identical_records_and_seeds_repeat() {
     for prompt in mt_bench_prompts(2) {
         for mode in [DraftMode::Sample, DraftMode::Argmax] {
             let cfg = SpecConfig { k: 3, mode, sampling, max_new_tokens: 24 };
-            for draft in [&mut eagle as &mut dyn Draft, truncated.as_mut()] {
+            for draft in [&mut eagle as &mut dyn Draft<Model>, truncated.as_mut()] {
                 let (a, ra) = run(draft, keep(0.9), HeadMode::Slice, &prompt, &cfg, 9);
                 let (b, rb) = run(draft, keep(0.9), HeadMode::Mask, &prompt, &cfg, 9);
                 let (c, rc) = run(draft, keep(0.9), HeadMode::Slice, &prompt, &cfg, 9);
@@ -266,7 +267,7 @@ fn eagle1_checkpoints_with_yuhuilis_key_names_load_from_pickle_and_safetensors()
             let keep = (ratio > 0.0).then(|| ranking.keep_set(KeepRule::Ratio(ratio), 260, &[]).unwrap());
             let cfg = SpecConfig { k: 3, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 24 };
             let mut outs = Vec::new();
-            for draft in [&mut from_pickle as &mut dyn Draft, &mut from_safetensors] {
+            for draft in [&mut from_pickle as &mut dyn Draft<Model>, &mut from_safetensors] {
                 let head = DraftHead::new(draft.lm_head(), keep.clone(), HeadMode::Slice).unwrap();
                 let mut rng = ChaCha20Rng::seed_from_u64(0);
                 outs.push(speculative_turn(&target, &[], draft, &head, prompt, &cfg, &mut rng).unwrap());
@@ -297,7 +298,7 @@ fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft
     synthetic::write_model(dir.path(), &shape, 9, candle_core::DType::F32).unwrap();
     let target = Model::load(dir.path()).unwrap();
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures/eagle3-tiny");
-    let mut draft = frspec::draft::Eagle3Draft::load(&fixture, &target).unwrap();
+    let mut draft = frspec::engine::cpu::draft::Eagle3Draft::load(&fixture, &target).unwrap();
     assert_eq!(draft.target_layers(), [2, 2, 1]);
     let draft_ids: Vec<u32> = (0..100).map(|d| DraftHead::new(draft.lm_head(), None, HeadMode::Slice).unwrap().id(d)).collect();
     assert_eq!(&draft_ids[..4], [0, 5, 6, 7], "d2t offsets map draft ids to target ids");
@@ -334,16 +335,12 @@ fn target_and_eagle_heads_match_the_torch_reference() {
         serde_json::from_str(&std::fs::read_to_string(fixtures.join("eagle_reference_logits.json")).unwrap()).unwrap();
     let tokens: Vec<u32> = serde_json::from_value(reference["tokens"].clone()).unwrap();
     let target = Model::load(&fixtures.join("tiny-llama")).unwrap();
-    let mut eagle3 = frspec::draft::Eagle3Draft::load(&fixtures.join("eagle3-tiny"), &target).unwrap();
+    let mut eagle3 = frspec::engine::cpu::draft::Eagle3Draft::load(&fixtures.join("eagle3-tiny"), &target).unwrap();
     let rows: Vec<usize> = (0..tokens.len()).collect();
     let fwd = target.forward(&tokens, &mut target.new_cache(), &rows, &eagle3.target_layers()).unwrap();
-    let mut layer_features = Vec::new();
-    for i in 0..tokens.len() {
-        for l in &fwd.layer_inputs {
-            layer_features.extend_from_slice(&l[i * 64..(i + 1) * 64]);
-        }
-    }
-    let ctx = frspec::draft::Context { tokens: &tokens, features: &fwd.hidden, layer_features: &layer_features };
+    let mut features = frspec::engine::cpu::CpuFeatures::new(64, &eagle3.target_layers());
+    features.append(&fwd.hidden, &fwd.layer_inputs);
+    let ctx = frspec::speculative::Context { tokens: &tokens, features: &features };
     let worst = |ours: &[f32], key: &str| -> f64 {
         let want: Vec<Vec<f64>> = serde_json::from_value(reference[key].clone()).unwrap();
         let width = want[0].len();
@@ -367,29 +364,29 @@ fn greedy_fast_path_gives_the_full_loops_counts_for_every_draft_and_ratio() {
     let mut eagle = EagleDraft::load(eagle_dir.path(), &t.model).unwrap();
     let mut truncated = build(&DraftKind::Truncated(12), None, t, "smollm2").unwrap();
     let ratios = [0.0, 0.5, 0.9];
-    let heads = |d: &dyn Draft| ratios.map(|r| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap());
+    let heads = |d: &dyn Draft<Model>| ratios.map(|r| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap());
     let (eagle_heads, truncated_heads) = (heads(&eagle), heads(truncated.as_ref()));
     for prompt in mt_bench_prompts(3) {
-        let want_tokens = generate(&t.model, &t.tokenizer, &prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
+        let want_tokens = generate(&t.model, &t.tokenizer.stop_ids, &prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
         for k in [1, 4] {
             let mut full = Vec::new();
-            for (draft, hs) in [(&mut eagle as &mut dyn Draft, &eagle_heads), (truncated.as_mut(), &truncated_heads)] {
+            for (draft, hs) in [(&mut eagle as &mut dyn Draft<Model>, &eagle_heads), (truncated.as_mut(), &truncated_heads)] {
                 for head in hs.iter() {
                     let cfg = SpecConfig { k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 48 };
                     full.push(speculative_turn(&t.model, &t.tokenizer.stop_ids, draft, head, &prompt, &cfg, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().1);
                 }
             }
             // Each (draft, head) pair needs its own draft state.
-            let mut all: Vec<(&mut dyn Draft, &DraftHead)> = Vec::new();
+            let mut all: Vec<(&mut dyn Draft<Model>, &DraftHead<_>)> = Vec::new();
             let mut eagles: Vec<EagleDraft> = ratios.iter().map(|_| EagleDraft::load(eagle_dir.path(), &t.model).unwrap()).collect();
-            let mut truncs: Vec<Box<dyn Draft>> = ratios.iter().map(|_| build(&DraftKind::Truncated(12), None, t, "smollm2").unwrap()).collect();
+            let mut truncs: Vec<Box<dyn Draft<Model>>> = ratios.iter().map(|_| build(&DraftKind::Truncated(12), None, t, "smollm2").unwrap()).collect();
             for (d, h) in eagles.iter_mut().zip(&eagle_heads) {
-                all.push((d as &mut dyn Draft, h));
+                all.push((d as &mut dyn Draft<Model>, h));
             }
             for (d, h) in truncs.iter_mut().zip(&truncated_heads) {
                 all.push((d.as_mut(), h));
             }
-            let (tokens, fast) = frspec::decode::greedy_turns(&t.model, &t.tokenizer.stop_ids, &mut all, &prompt, k, 48).unwrap();
+            let (tokens, fast) = frspec::speculative::decode::greedy_turns(&t.model, &t.tokenizer.stop_ids, &mut all, &prompt, k, 48).unwrap();
             assert_eq!(tokens, want_tokens);
             for (i, (f, s)) in fast.iter().zip(&full).enumerate() {
                 let strip = |r: &TurnRecord| TurnRecord { target_secs: 0.0, draft_secs: 0.0, ..r.clone() };
@@ -407,7 +404,7 @@ fn bad_eagle3_checkpoints_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     synthetic::write_model(dir.path(), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
     let shallow = Model::load(dir.path()).unwrap();
-    let err = frspec::draft::Eagle3Draft::load(&fixture, &shallow).err().unwrap().to_string();
+    let err = frspec::engine::cpu::draft::Eagle3Draft::load(&fixture, &shallow).err().unwrap().to_string();
     assert!(err.contains("auxiliary layers") && err.contains("config.json"), "{err}");
     // A draft vocabulary that maps outside the target's.
     let small = tempfile::tempdir().unwrap();
@@ -420,7 +417,7 @@ fn bad_eagle3_checkpoints_are_refused() {
     let text = std::fs::read_to_string(&config).unwrap().replace("\"vocab_size\": 260", "\"vocab_size\": 200");
     std::fs::write(&config, text).unwrap();
     let target = Model::load(small.path()).unwrap();
-    let err = frspec::draft::Eagle3Draft::load(head.path(), &target).err().unwrap().to_string();
+    let err = frspec::engine::cpu::draft::Eagle3Draft::load(head.path(), &target).err().unwrap().to_string();
     assert!(err.contains("EAGLE-3 vocabulary 200 ≠ the target's 260"), "{err}");
 }
 

@@ -1,8 +1,10 @@
 //! The sweep core on a tiny synthetic target with a separate synthetic draft model.
 
 use frspec::dataset::Question;
-use frspec::decode::TurnRecord;
-use frspec::draft::{build, Draft, DraftHead, DraftKind, DraftMode, HeadMode};
+use frspec::speculative::decode::TurnRecord;
+use frspec::engine::cpu::draft::build;
+use frspec::engine::cpu::model::Model;
+use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode};
 use frspec::sweep::{run, Engine, Plan, Run, UnitKey};
 use frspec::synthetic::{self, Shape};
 use frspec::target::Target;
@@ -20,7 +22,7 @@ fn plan(ratios: Vec<f64>) -> Plan {
 
 fn sweep(target: &Target, draft_dir: &str, plan: &Plan, qs: &[Question]) -> anyhow::Result<Vec<Run>> {
     let freqs = Frequencies::from_counts(&(0..260u64).map(|i| (i * 31) % 89).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
-    let mut drafts: Vec<Box<dyn Draft + '_>> =
+    let mut drafts: Vec<Box<dyn Draft<Model> + '_>> =
         plan.ratios.iter().map(|_| build(&DraftKind::Model, Some(draft_dir), target, "unused")).collect::<anyhow::Result<_>>()?;
     let heads = drafts
         .iter()
@@ -31,7 +33,7 @@ fn sweep(target: &Target, draft_dir: &str, plan: &Plan, qs: &[Question]) -> anyh
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut runs = Vec::new();
-    let mut engine = Engine { target, drafts: &mut drafts, heads: &heads };
+    let mut engine = Engine { target: &target.model, tokenizer: &target.tokenizer, drafts: &mut drafts, heads: &heads };
     run(&mut engine, qs, plan, &plan.units(qs.len()), &mut |_: UnitKey, unit: Vec<Run>| {
         runs.extend(unit.into_iter().map(|r| Run { record: TurnRecord { draft_secs: 0.0, target_secs: 0.0, ..r.record }, ..r }));
         Ok(())

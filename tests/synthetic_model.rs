@@ -4,7 +4,7 @@
 mod common;
 use candle_core::DType;
 use common::{reference_logits, Weights};
-use frspec::model::Model;
+use frspec::engine::cpu::model::Model;
 use frspec::synthetic::{self, Shape};
 use half::{bf16, f16};
 

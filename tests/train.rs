@@ -2,7 +2,9 @@
 //! uninterrupted one is, and the exported head computes in the engine what it computed in training (its rollout pass
 //! included).
 
-use frspec::draft::{Context, Draft, EagleDraft};
+use frspec::engine::cpu::draft::EagleDraft;
+use frspec::engine::cpu::CpuFeatures;
+use frspec::speculative::{Context, Draft};
 use frspec::synthetic::{self, Shape};
 use frspec::target::Target;
 use frspec::train::{self, Conversation, State, TrainSettings, Trainer};
@@ -88,7 +90,9 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     let conv = &data[0];
     let expected = train::teacher_forced_logits(&target.model, &exported, conv).unwrap();
     let mut draft = EagleDraft::load(&head, &target.model).unwrap();
-    let ctx = Context { tokens: &conv.tokens, features: &conv.features, layer_features: &[] };
+    let h = target.model.config.hidden;
+    let features = CpuFeatures::from_hidden(conv.features.clone(), h);
+    let ctx = Context { tokens: &conv.tokens, features: &features };
     let got = draft.teacher_forced_logits(&ctx).unwrap();
     draft.reset();
     assert_eq!(got.len(), expected.len());
@@ -98,10 +102,10 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     // The rollout pass computes what the engine's second draft of a step does: catch up on true features through
     // draft position j − 1, then extend with t_{j+1}, fed the head's own output.
     let rolled = train::rollout_outputs(&target.model, &exported, conv).unwrap();
-    let h = target.model.config.hidden;
     for j in [1, conv.tokens.len() / 2, conv.tokens.len() - 2] {
         draft.reset();
-        draft.catch_up(&Context { tokens: &conv.tokens[..=j], features: &conv.features[..j * h], layer_features: &[] }).unwrap();
+        // Features beyond the tokens given are not read.
+        draft.catch_up(&Context { tokens: &conv.tokens[..=j], features: &features }).unwrap();
         let got = draft.extend(conv.tokens[j + 1]).unwrap();
         let worst = got.iter().zip(&rolled[j * h..(j + 1) * h]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(worst < 1e-3, "position {j}: engine's second draft and the rollout pass differ by {worst}");

@@ -2,8 +2,8 @@
 //! step at each kept vocabulary, the LM head alone, and the device's own ceilings to compare them with.
 
 use super::{median, median_secs, HeadPoint, Roofline};
-use crate::backend::{argmax_rows, greedy, streamed_parameters, EagleStep, Llama};
-use crate::model::{Config, Model};
+use crate::engine::candle::llama::{argmax_rows, greedy, streamed_parameters, EagleStep, Llama};
+use crate::engine::cpu::model::{Config, Model};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;

@@ -1,8 +1,9 @@
 //! Speed measurements, reported as medians over repeated runs (never asserted in tests).
 
 use crate::chat::Message;
-use crate::model::Model;
+use crate::engine::cpu::model::Model;
 use crate::sampling::argmax;
+use crate::speculative::{Draft, DraftHead, HeadRows};
 use crate::target::Target;
 use anyhow::Result;
 use serde::Serialize;
@@ -67,7 +68,7 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         for cache in &mut caches {
             next.push(argmax(&model.forward(&prompt, cache, &[prompt.len() - 1], &[])?.logits));
         }
-        let mut batch: Vec<&mut crate::model::Cache> = caches.iter_mut().collect();
+        let mut batch: Vec<&mut crate::engine::cpu::model::Cache> = caches.iter_mut().collect();
         let t = Instant::now();
         for _ in 0..new_tokens {
             let logits = model.forward_batch(&next, &mut batch, &[])?.logits;
@@ -85,7 +86,7 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         prompt_tokens: prompt.len(),
         new_tokens,
         runs,
-        threads: crate::tensor::pool().current_num_threads(),
+        threads: crate::engine::cpu::tensor::pool().current_num_threads(),
         decode_tok_s: median(&decode_runs),
         prefill_tok_s: median(&prefill_runs),
         block,
@@ -101,7 +102,7 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
 /// Greedy continuation of `prompt` by `new_tokens` tokens on the CPU engine, with no stop token.
 pub fn engine_greedy(model: &Model, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();
-    crate::decode::greedy_steps(prompt, new_tokens, |tokens| Ok(argmax(&model.forward(tokens, &mut cache, &[tokens.len() - 1], &[])?.logits)))
+    crate::speculative::decode::greedy_steps(prompt, new_tokens, |tokens| Ok(argmax(&model.forward(tokens, &mut cache, &[tokens.len() - 1], &[])?.logits)))
 }
 
 /// What a verification step costs relative to a plain decode step: a `block`-token forward (logits for every
@@ -140,37 +141,36 @@ pub struct HeadBench {
 
 /// Median seconds of one evaluation of `head` (one hidden row → logits) over `reps` calls. The values of the row
 /// do not change the time.
-pub fn head_secs(head: &crate::draft::DraftHead, hidden_row: &[f32], reps: usize) -> f64 {
+pub fn head_secs<M: HeadRows>(head: &DraftHead<M>, hidden_row: &M::Row, reps: usize) -> Result<f64> {
     let mut logits = Vec::new();
-    let mut scratch = crate::tensor::MatmulScratch::default();
-    let times: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            head.logits(hidden_row, &mut logits, &mut scratch);
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    median(&times)
+    let mut scratch = M::Scratch::default();
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        head.logits(hidden_row, &mut logits, &mut scratch)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(&times))
 }
 
 /// Head and draft-step time for each ratio and head mode (`None` = the full head), on the chat prompt `question`.
 pub fn draft_heads(
     target: &Target,
-    draft: &mut dyn crate::draft::Draft,
+    draft: &mut dyn Draft<Model>,
     freqs: &crate::vocab::Frequencies,
     ratios: &[f64],
     k: usize,
     reps: usize,
     question: &str,
 ) -> Result<Vec<HeadBench>> {
-    use crate::draft::{Context, DraftHead, DraftMode, HeadMode, Proposal};
+    use crate::speculative::{Context, DraftMode, HeadMode, Proposal};
     use crate::sampling::Sampling;
     let prompt = target.tokenizer.chat_prompt(&[Message::new("user", question)])?;
     let model = &target.model;
     let mut cache = model.new_cache();
     let fwd = model.forward(&prompt, &mut cache, &[prompt.len() - 1], &draft.target_layers())?;
-    let mut layer_features = Vec::new();
-    crate::decode::interleave(&fwd.layer_inputs, model.config.hidden, &mut layer_features);
+    let mut features = crate::engine::cpu::CpuFeatures::new(model.config.hidden, &draft.target_layers());
+    features.append(&fwd.hidden, &fwd.layer_inputs);
     let mut tokens = prompt.clone();
     tokens.push(argmax(&fwd.logits));
     let hidden_row = fwd.hidden[fwd.hidden.len() - model.config.hidden..].to_vec();
@@ -189,12 +189,12 @@ pub fn draft_heads(
         let head = DraftHead::new(draft.lm_head(), keep, mode.unwrap_or(HeadMode::Slice))?;
         let mut step_times = Vec::with_capacity(reps);
         let mut proposal = Proposal::default();
-        let ctx = Context { tokens: &tokens, features: &fwd.hidden, layer_features: &layer_features };
+        let ctx = Context { tokens: &tokens, features: &features };
         draft.reset();
         draft.propose(&ctx, k, &head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
         for _ in 0..reps {
             // The steady state of decoding: one new token to catch up on, then k drafts.
-            draft.rollback(tokens.len() - 1, 0);
+            draft.rollback(tokens.len() - 1, 0)?;
             let t = Instant::now();
             draft.propose(&ctx, k, &head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
             step_times.push(t.elapsed().as_secs_f64());
@@ -203,7 +203,7 @@ pub fn draft_heads(
             ratio,
             head: mode.map_or("full".into(), |m| format!("{m:?}").to_lowercase()),
             kept: head.kept(),
-            head_secs: head_secs(&head, &hidden_row, reps),
+            head_secs: head_secs(&head, &hidden_row, reps)?,
             draft_step_secs: median(&step_times),
         });
     }
@@ -226,15 +226,14 @@ pub struct FastPathBench {
 /// A T = 0 sweep over `ratios` on `prompts`, run both ways; `make_draft` builds one draft instance.
 pub fn fast_path<'a>(
     target: &'a Target,
-    make_draft: &mut dyn FnMut() -> Result<Box<dyn crate::draft::Draft + 'a>>,
+    make_draft: &mut dyn FnMut() -> Result<Box<dyn Draft<Model> + 'a>>,
     freqs: &crate::vocab::Frequencies,
     ratios: &[f64],
     prompts: &[Vec<u32>],
     k: usize,
     max_new_tokens: usize,
 ) -> Result<FastPathBench> {
-    use crate::decode::{greedy_turns, speculative_turn, SpecConfig};
-    use crate::draft::{DraftHead, DraftMode, HeadMode};
+    use crate::speculative::{greedy_turns, speculative_turn, DraftMode, HeadMode, SpecConfig};
     use crate::sampling::Sampling;
     let vocab = target.model.config.vocab;
     let stop = &target.tokenizer.stop_ids;
@@ -247,7 +246,7 @@ pub fn fast_path<'a>(
             DraftHead::new(d.lm_head(), keep, HeadMode::Slice)
         })
         .collect::<Result<Vec<_>>>()?;
-    let strip = |r: &crate::decode::TurnRecord| (r.drafts, r.accepted, r.draft_tokens, r.accepted_per_pos.clone());
+    let strip = |r: &crate::speculative::decode::TurnRecord| (r.drafts, r.accepted, r.draft_tokens, r.accepted_per_pos.clone());
     let cfg = SpecConfig { k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens };
     let mut rng = <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(0);
     let t = Instant::now();
@@ -261,8 +260,7 @@ pub fn fast_path<'a>(
     let t = Instant::now();
     let mut fast = Vec::new();
     for prompt in prompts {
-        let mut pairs: Vec<(&mut dyn crate::draft::Draft, &DraftHead)> =
-            drafts.iter_mut().zip(&heads).map(|(d, h)| (d.as_mut() as &mut dyn crate::draft::Draft, h)).collect();
+        let mut pairs: Vec<(&mut dyn Draft<Model>, &DraftHead<_>)> = drafts.iter_mut().zip(&heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<Model>, h)).collect();
         fast.extend(greedy_turns(&target.model, stop, &mut pairs, prompt, k, max_new_tokens)?.1.iter().map(strip));
     }
     let fast_path_secs = t.elapsed().as_secs_f64();
@@ -320,7 +318,7 @@ pub fn read_bandwidth() -> f64 {
                 acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
                 acc
             });
-            let sum: f32 = crate::tensor::pool().install(|| buffer.par_chunks(1 << 16).map(|c| lanes(c).iter().sum::<f32>()).sum());
+            let sum: f32 = crate::engine::cpu::tensor::pool().install(|| buffer.par_chunks(1 << 16).map(|c| lanes(c).iter().sum::<f32>()).sum());
             std::hint::black_box(sum);
             (buffer.len() * 4) as f64 / t.elapsed().as_secs_f64()
         })
@@ -383,7 +381,7 @@ impl HeadPoint {
 /// kernel with weights in `dtype` (f32 or f16) and f32 activations. Values do not change the time, so the
 /// weights are a fixed pattern.
 pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], dtype: &str, roof: Roofline) -> Result<Vec<HeadPoint>> {
-    use crate::tensor::{Matrix, MatmulScratch, Storage};
+    use crate::engine::cpu::tensor::{Matrix, MatmulScratch, Storage};
     let pattern = |i: usize| ((i % 17) as f32 - 8.0) * 0.01;
     let mut points = Vec::new();
     for &ratio in ratios {

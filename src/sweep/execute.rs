@@ -6,13 +6,16 @@ use super::folder::{Folder, FolderMode, Identity};
 use super::progress::Progress;
 use super::{Engine, Observer, Plan, Run, UnitKey};
 use crate::dataset::{self, Question};
-use crate::draft::{self, Draft, DraftHead, DraftKind, HeadMode};
+use crate::engine::candle::draft::DraftWeights;
+use crate::engine::{candle, cpu, EngineKind};
 use crate::manifest::{self, FileDigest, Hardware, Manifest};
 use crate::spec::{Pruning, Settings};
+use crate::speculative::{Draft, DraftHead, DraftKind, HeadMode, Row};
 use crate::store;
 use crate::summary::{self, CellSummary, CellTiming};
 use crate::target::Target;
-use crate::vocab::{Frequencies, KeepRule};
+use crate::tokenizer::Tokenizer;
+use crate::vocab::{Frequencies, KeepRule, KeepSet};
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -72,11 +75,13 @@ fn plan(settings: &Settings, ratios: Vec<f64>) -> Plan {
 
 /// Checks that need no model: everything a typo in a flag or sweep file can break.
 fn check(settings: &Settings, questions: &[Question]) -> Result<()> {
-    if settings.device != "cpu" {
-        bail!("device {}: this build of frspec runs models on the CPU only (use cpu)", settings.device);
-    }
-    if settings.dtype != "f32" {
-        bail!("dtype {}: the CPU path computes activations in f32 (use f32)", settings.dtype);
+    match settings.engine {
+        EngineKind::Cpu if settings.device != "cpu" => bail!("device {}: the cpu engine runs on the CPU (use --engine candle for a GPU)", settings.device),
+        EngineKind::Cpu if settings.dtype != "f32" => bail!("dtype {}: the cpu engine computes activations in f32 (use f32, or --engine candle)", settings.dtype),
+        EngineKind::Cpu => {}
+        EngineKind::Candle => {
+            candle::dtype(&settings.dtype)?;
+        }
     }
     let labels = match &settings.pruning {
         Pruning::Ratios(r) => r.clone(),
@@ -170,65 +175,97 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
             (rule, Some(f)) => Some(f.keep_set(*rule, vocab, &target.tokenizer.stop_ids)?),
         });
     }
-    let kept: Vec<u64> = keeps.iter().map(|k| k.as_ref().map_or(vocab, |k| k.ids.len()) as u64).collect();
-    let mut drafts: Vec<Box<dyn Draft + '_>> = Vec::new();
-    let mut heads = Vec::new();
-    for keep in keeps {
-        let d = draft::build(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model)?;
-        heads.push(DraftHead::new(d.lm_head(), keep, HeadMode::Slice)?);
-        drafts.push(d);
+    let sweep = Sweep { settings, out, options, wall, questions: &questions, plan: &plan, freq_path: freq_path.as_deref(), target: &target };
+    let load = || cpu::draft::load(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model);
+    match settings.engine {
+        EngineKind::Cpu => {
+            let probe = vec![0.5f32; target.model.config.hidden];
+            let drafts = keeps.iter().map(|_| cpu::draft::build(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model)).collect::<Result<_>>()?;
+            sweep.run(&target.model, drafts, keeps, &probe)
+        }
+        EngineKind::Candle => {
+            let (device, dtype) = (candle::device(&settings.device)?, candle::dtype(&settings.dtype)?);
+            let llama = candle::llama::Llama::from_engine(&target.model, &device, dtype)?;
+            let weights = DraftWeights::from_engine(&load()?, &llama)?;
+            let probe = candle_core::Tensor::full(0.5f32, (1, llama.config.hidden), &device)?.to_dtype(dtype)?;
+            let drafts = keeps.iter().map(|_| weights.instance(&llama)).collect();
+            sweep.run(&llama, drafts, keeps, &probe)
+        }
     }
-
-    let mut files = BTreeMap::new();
-    digest("model", &target.source, &mut files)?;
-    if let (Some(spec), false) = (&settings.draft, matches!(settings.draft_kind, DraftKind::Truncated(_))) {
-        digest("draft", &crate::target::resolve(spec)?, &mut files)?;
-    }
-    if let Some(p) = &freq_path {
-        digest("freq", p, &mut files)?;
-    }
-    digest("dataset", &dataset::resolve(&settings.dataset)?, &mut files)?;
-    let settings_json = serde_json::to_value(settings)?;
-    let identity = Identity { settings: settings_json.clone(), files };
-
-    let all_units = plan.units(questions.len());
-    let (folder, done) = Folder::open(out, &identity, options.mode, &all_units)?;
-    let pending: Vec<UnitKey> = all_units.iter().filter(|k| !done.contains_key(k)).copied().collect();
-    let mut observe = Observe { folder: &folder, progress: Progress::new(options.quiet, all_units.len(), done.len()), plan: &plan, questions: &questions, started: Instant::now() };
-    let mut engine = Engine { target: &target, drafts: &mut drafts, heads: &heads };
-    super::run(&mut engine, &questions, &plan, &pending, &mut observe)?;
-    observe.progress.finish();
-
-    let mut runs = folder.runs(&all_units)?;
-    let index = |xs: &[f64], x: f64| xs.iter().position(|&y| y == x).expect("a plan value");
-    let temps: Vec<f64> = plan.temperatures.iter().map(|&t| t as f64).collect();
-    runs.sort_by_key(|r| (index(&plan.ratios, r.ratio), index(&temps, r.temperature as f64), r.repeat, r.prompt_index, r.turn));
-    let categories: Vec<Option<String>> = questions.iter().map(|q| q.category.clone()).collect();
-    store::write_runs(&out.join(store::RUNS), &runs, &plan.ratios, &kept, &categories, plan.k)?;
-    store::write_timings(&out.join(store::TIMINGS), &runs)?;
-    let summary = summary::summarize(&plan, &kept, &runs)?;
-    store::write_summary(&out.join(store::SUMMARY), &summary)?;
-    let row = vec![0.5f32; target.model.config.hidden];
-    let head_ms: Vec<f64> = heads.iter().map(|h| 1e3 * crate::bench::head_secs(h, &row, HEAD_REPS)).collect();
-    let timings = summary::timings(&plan, &kept, &head_ms, &runs);
-    store::write_timing_summary(&out.join(store::TIMING_SUMMARY), &timings)?;
-
-    let wall_secs = wall.elapsed().as_secs_f64();
-    let resumed_secs: f64 = done.values().sum();
-    let manifest = Manifest {
-        frspec: Manifest::frspec_version(),
-        git_commit: Manifest::git_commit(),
-        crates: manifest::crate_versions(),
-        command: options.command.clone(),
-        settings: &settings_json,
-        files: &identity.files,
-        hardware: Hardware::here(&settings.device),
-        wall_secs,
-        total_wall_secs: wall_secs + resumed_secs,
-        units_resumed: done.len(),
-        units_total: all_units.len(),
-        finished_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-    };
-    store::write_atomic(&out.join(Manifest::FILE), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
-    Ok(Outcome { summary, timings, units_run: pending.len(), units_resumed: done.len() })
 }
+
+/// A checked sweep with its inputs loaded, ready to run on an engine.
+struct Sweep<'a> {
+    settings: &'a Settings,
+    out: &'a Path,
+    options: &'a Options,
+    wall: Instant,
+    questions: &'a [Question],
+    plan: &'a Plan,
+    freq_path: Option<&'a Path>,
+    target: &'a Target,
+}
+
+impl Sweep<'_> {
+    /// Run the units the folder lacks on `engine` with one draft per cell, then write the tables and the manifest.
+    fn run<'t, T: crate::speculative::TargetModel>(&self, engine: &'t T, mut drafts: Vec<Box<dyn Draft<T> + 't>>, keeps: Vec<Option<KeepSet>>, probe: &Row<T>) -> Result<Outcome> {
+        let (settings, out, options, plan, questions) = (self.settings, self.out, self.options, self.plan, self.questions);
+        let vocab = self.target.model.config.vocab;
+        let kept: Vec<u64> = keeps.iter().map(|k| k.as_ref().map_or(vocab, |k| k.ids.len()) as u64).collect();
+        let heads = drafts.iter().zip(keeps).map(|(d, keep)| DraftHead::new(d.lm_head(), keep, HeadMode::Slice)).collect::<Result<Vec<_>>>()?;
+
+        let mut files = BTreeMap::new();
+        digest("model", &self.target.source, &mut files)?;
+        if let (Some(spec), false) = (&settings.draft, matches!(settings.draft_kind, DraftKind::Truncated(_))) {
+            digest("draft", &crate::target::resolve(spec)?, &mut files)?;
+        }
+        if let Some(p) = self.freq_path {
+            digest("freq", p, &mut files)?;
+        }
+        digest("dataset", &dataset::resolve(&settings.dataset)?, &mut files)?;
+        let settings_json = serde_json::to_value(settings)?;
+        let identity = Identity { settings: settings_json.clone(), files };
+
+        let all_units = plan.units(questions.len());
+        let (folder, done) = Folder::open(out, &identity, options.mode, &all_units)?;
+        let pending: Vec<UnitKey> = all_units.iter().filter(|k| !done.contains_key(k)).copied().collect();
+        let mut observe = Observe { folder: &folder, progress: Progress::new(options.quiet, all_units.len(), done.len()), plan, questions, started: Instant::now() };
+        let tokenizer: &Tokenizer = &self.target.tokenizer;
+        let mut engine = Engine { target: engine, tokenizer, drafts: &mut drafts, heads: &heads };
+        super::run(&mut engine, questions, plan, &pending, &mut observe)?;
+        observe.progress.finish();
+
+        let mut runs = folder.runs(&all_units)?;
+        let index = |xs: &[f64], x: f64| xs.iter().position(|&y| y == x).expect("a plan value");
+        let temps: Vec<f64> = plan.temperatures.iter().map(|&t| t as f64).collect();
+        runs.sort_by_key(|r| (index(&plan.ratios, r.ratio), index(&temps, r.temperature as f64), r.repeat, r.prompt_index, r.turn));
+        let categories: Vec<Option<String>> = questions.iter().map(|q| q.category.clone()).collect();
+        store::write_runs(&out.join(store::RUNS), &runs, &plan.ratios, &kept, &categories, plan.k)?;
+        store::write_timings(&out.join(store::TIMINGS), &runs)?;
+        let summary = summary::summarize(plan, &kept, &runs)?;
+        store::write_summary(&out.join(store::SUMMARY), &summary)?;
+        let head_ms: Vec<f64> = heads.iter().map(|h| Ok(1e3 * crate::bench::head_secs(h, probe, HEAD_REPS)?)).collect::<Result<_>>()?;
+        let timings = summary::timings(plan, &kept, &head_ms, &runs);
+        store::write_timing_summary(&out.join(store::TIMING_SUMMARY), &timings)?;
+
+        let wall_secs = self.wall.elapsed().as_secs_f64();
+        let resumed_secs: f64 = done.values().sum();
+        let manifest = Manifest {
+            frspec: Manifest::frspec_version(),
+            git_commit: Manifest::git_commit(),
+            crates: manifest::crate_versions(),
+            command: options.command.clone(),
+            settings: &settings_json,
+            files: &identity.files,
+            hardware: Hardware::here(&settings.device, settings.engine, &settings.dtype),
+            wall_secs,
+            total_wall_secs: wall_secs + resumed_secs,
+            units_resumed: done.len(),
+            units_total: all_units.len(),
+            finished_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        };
+        store::write_atomic(&out.join(Manifest::FILE), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
+        Ok(Outcome { summary, timings, units_run: pending.len(), units_resumed: done.len() })
+    }
+}
+

@@ -8,10 +8,9 @@
 
 use crate::chat::Message;
 use crate::dataset::Question;
-use crate::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
-use crate::draft::{Draft, DraftHead, DraftMode};
 use crate::sampling::Sampling;
-use crate::target::Target;
+use crate::speculative::{greedy_turns, speculative_turn, Draft, DraftHead, DraftMode, SpecConfig, TargetModel, TurnRecord};
+use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use rand::SeedableRng;
@@ -136,11 +135,12 @@ fn messages(q: &Question, turn: usize, answers: &[String]) -> Vec<Message> {
     m
 }
 
-/// The target and the drafts a sweep runs on: `drafts[i]` and `heads[i]` serve `plan.ratios[i]`.
-pub struct Engine<'t, 'd> {
-    pub target: &'t Target,
-    pub drafts: &'d mut [Box<dyn Draft + 't>],
-    pub heads: &'d [DraftHead],
+/// The target and the drafts a sweep runs on, on one engine: `drafts[i]` and `heads[i]` serve `plan.ratios[i]`.
+pub struct Engine<'t, 'd, T: TargetModel> {
+    pub target: &'t T,
+    pub tokenizer: &'d Tokenizer,
+    pub drafts: &'d mut [Box<dyn Draft<T> + 't>],
+    pub heads: &'d [DraftHead<T::Head>],
 }
 
 /// What a running sweep reports to.
@@ -157,7 +157,7 @@ impl<F: FnMut(UnitKey, Vec<Run>) -> Result<()>> Observer for F {
 }
 
 /// Run `units` of the plan.
-pub fn run(engine: &mut Engine, questions: &[Question], plan: &Plan, units: &[UnitKey], observer: &mut dyn Observer) -> Result<()> {
+pub fn run<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, units: &[UnitKey], observer: &mut dyn Observer) -> Result<()> {
     plan.validate(questions)?;
     if engine.drafts.len() != plan.ratios.len() || engine.heads.len() != plan.ratios.len() {
         bail!("one draft and one head per ratio are needed");
@@ -170,8 +170,8 @@ pub fn run(engine: &mut Engine, questions: &[Question], plan: &Plan, units: &[Un
     Ok(())
 }
 
-fn run_unit(engine: &mut Engine, questions: &[Question], plan: &Plan, key: UnitKey, observer: &mut dyn Observer) -> Result<Vec<Run>> {
-    let tok = &engine.target.tokenizer;
+fn run_unit<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, key: UnitKey, observer: &mut dyn Observer) -> Result<Vec<Run>> {
+    let tok = engine.tokenizer;
     let answer = |tokens: &[u32]| -> Result<String> {
         let shown: Vec<u32> = tokens.iter().copied().filter(|t| !tok.is_stop(*t)).collect();
         tok.decode(&shown)
@@ -190,9 +190,9 @@ fn run_unit(engine: &mut Engine, questions: &[Question], plan: &Plan, key: UnitK
         let mut answers = Vec::new();
         for turn in 0..plan.turns {
             let prompt = tok.chat_prompt(&messages(q, turn, &answers))?;
-            let mut pairs: Vec<(&mut dyn Draft, &DraftHead)> =
-                engine.drafts.iter_mut().zip(engine.heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft, h)).collect();
-            let (tokens, records) = greedy_turns(&engine.target.model, &tok.stop_ids, &mut pairs, &prompt, plan.k, plan.max_new_tokens)?;
+            let mut pairs: Vec<(&mut dyn Draft<T>, &DraftHead<T::Head>)> =
+                engine.drafts.iter_mut().zip(engine.heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<T>, h)).collect();
+            let (tokens, records) = greedy_turns(engine.target, &tok.stop_ids, &mut pairs, &prompt, plan.k, plan.max_new_tokens)?;
             answers.push(answer(&tokens)?);
             for repeat in 0..plan.repeats {
                 for (&ratio, record) in plan.ratios.iter().zip(&records) {
@@ -208,7 +208,7 @@ fn run_unit(engine: &mut Engine, questions: &[Question], plan: &Plan, key: UnitK
             let prompt = tok.chat_prompt(&messages(q, turn, &answers))?;
             let cfg = SpecConfig { k: plan.k, mode: plan.mode, sampling, max_new_tokens: plan.max_new_tokens };
             let mut rng = stream(plan.seed, repeat, key.prompt as u32, turn as u32);
-            let (tokens, record) = speculative_turn(&engine.target.model, &tok.stop_ids, draft.as_mut(), head, &prompt, &cfg, &mut rng)?;
+            let (tokens, record) = speculative_turn(engine.target, &tok.stop_ids, draft.as_mut(), head, &prompt, &cfg, &mut rng)?;
             answers.push(answer(&tokens)?);
             emit(repeat, ratio, turn, record);
         }

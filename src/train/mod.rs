@@ -11,10 +11,10 @@
 //! The forward here is written in candle tensor operations because training needs autograd; the engine's own
 //! kernels (model.rs) run the trained head. A test checks the two agree.
 
-use crate::backend::{self, attention, attention_after_context, rms_norm, softmax, Rope};
+use crate::engine::candle::llama::{self, attention, attention_after_context, rms_norm, softmax, Rope};
 use crate::chat::Message;
-use crate::generate::StopReason;
-use crate::model::{Config, Model};
+use crate::speculative::generate::StopReason;
+use crate::engine::cpu::model::{Config, Model};
 use crate::sampling::{draw, Sampling};
 use crate::store::write_atomic;
 use crate::target::Target;
@@ -158,7 +158,7 @@ pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize,
             })
             .collect();
         attempts += ANSWER_BATCH;
-        let written = crate::decode::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], &mut |i, logits| {
+        let written = crate::engine::cpu::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], &mut |i, logits| {
             SELF_PROMPT_SAMPLING.distribution(logits, &mut probs, &mut order);
             draw(&probs, &mut streams[i])
         })?;
@@ -183,8 +183,8 @@ pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, 
     let mut out = Vec::with_capacity(prompts.len());
     for batch in prompts.chunks(ANSWER_BATCH) {
         let chats = batch.iter().map(|p| tok.chat_prompt(&[Message::new("user", p)])).collect::<Result<Vec<_>>>()?;
-        for (c, prompt) in crate::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, &[])?.into_iter().zip(&chats) {
-            let features = c.features.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+        for (c, prompt) in crate::engine::cpu::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, &[])?.into_iter().zip(&chats) {
+            let features = c.features.hidden.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
             let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features };
             on_done(&conv);
             out.push(conv);
@@ -338,8 +338,8 @@ struct Frozen {
     head: Tensor,
 }
 
-fn dequantized(m: &crate::tensor::Matrix) -> Result<Tensor> {
-    backend::dense(m, &Device::Cpu, DType::F32)
+fn dequantized(m: &crate::engine::cpu::tensor::Matrix) -> Result<Tensor> {
+    llama::dense(m, &Device::Cpu, DType::F32)
 }
 
 fn log_softmax(x: &Tensor) -> Result<Tensor> {

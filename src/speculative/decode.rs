@@ -2,9 +2,9 @@
 //! (rejection sampling), emit the recovered or bonus token, roll both caches back to the accepted prefix.
 //! Counters follow vLLM's definitions (../shared/reference/NOTES.md) so numbers compare with the literature.
 
-use crate::draft::{Context, Draft, DraftHead, DraftMode, Proposal};
-use crate::generate::StopReason;
-use crate::model::Model;
+use super::draft::{Context, Draft, DraftHead, DraftMode, Proposal};
+use super::generate::StopReason;
+use super::{HeadRows, Positions, TargetModel};
 use crate::sampling::{draw, Sampling};
 use crate::stats::Metric;
 use anyhow::{bail, Result};
@@ -83,6 +83,8 @@ fn verification_limit(drafts: &[u32], stop_ids: &[u32]) -> usize {
 /// Buffers the loop reuses between steps and turns.
 #[derive(Default)]
 struct Scratch {
+    logits: Vec<f32>,
+    block: Vec<u32>,
     p: Vec<f32>,
     residual: Vec<f32>,
     order: Vec<u32>,
@@ -91,11 +93,11 @@ struct Scratch {
 
 /// Generate one turn after `prompt`, speculatively. Returns the generated ids (ending with the stop token when
 /// that ended the turn) and the record. Every random draw comes from `rng`.
-pub fn speculative_turn(
-    target: &Model,
+pub fn speculative_turn<T: TargetModel>(
+    target: &T,
     stop_ids: &[u32],
-    draft: &mut dyn Draft,
-    head: &DraftHead,
+    draft: &mut dyn Draft<T>,
+    head: &DraftHead<T::Head>,
     prompt: &[u32],
     cfg: &SpecConfig,
     rng: &mut dyn rand::Rng,
@@ -106,21 +108,19 @@ pub fn speculative_turn(
     if prompt.is_empty() {
         bail!("empty prompt");
     }
-    if head.vocab() != target.config.vocab {
-        bail!("the draft head has {} rows, the target vocabulary is {}", head.vocab(), target.config.vocab);
+    if head.vocab() != target.vocab() {
+        bail!("the draft head has {} rows, the target vocabulary is {}", head.vocab(), target.vocab());
     }
-    let (v, h, ctx_limit) = (target.config.vocab, target.config.hidden, target.config.context_length);
+    let (v, ctx_limit) = (target.vocab(), target.context_length());
     let mut s = Scratch::default();
     let mut rec = TurnRecord { prompt_tokens: prompt.len(), accepted_per_pos: vec![0; cfg.k], ..TurnRecord::default() };
     draft.reset();
     let mut cache = target.new_cache();
+    let mut features = target.new_features(&draft.target_layers());
+    let block_rows: Vec<usize> = (0..=cfg.k).collect();
     let t0 = Instant::now();
-    let layers = draft.target_layers();
-    let prefill = target.forward(prompt, &mut cache, &[prompt.len() - 1], &layers)?;
-    let mut features = prefill.hidden;
-    let mut layer_features = Vec::new();
-    interleave(&prefill.layer_inputs, h, &mut layer_features);
-    cfg.sampling.distribution(&prefill.logits, &mut s.p, &mut s.order);
+    target.forward(prompt, &mut cache, &[prompt.len() - 1], Some(&mut features), &mut s.logits)?;
+    cfg.sampling.distribution(&s.logits, &mut s.p, &mut s.order);
     let first = draw(&s.p, rng);
     rec.target_secs += t0.elapsed().as_secs_f64();
     let mut tokens = prompt.to_vec();
@@ -145,28 +145,26 @@ pub fn speculative_turn(
         }
         let k = drafts_allowed(cfg.k, remaining, room);
         let n = tokens.len();
-        let last = tokens[n - 1];
-        let mut block = vec![last];
+        s.block.clear();
+        s.block.push(tokens[n - 1]);
+        s.proposal.tokens.clear();
         if k > 0 {
             let t = Instant::now();
-            let ctx = Context { tokens: &tokens, features: &features, layer_features: &layer_features };
+            let ctx = Context { tokens: &tokens, features: &features };
             draft.propose(&ctx, k, head, cfg.mode, cfg.sampling, rng, &mut s.proposal)?;
             rec.draft_secs += t.elapsed().as_secs_f64();
-            block.extend_from_slice(&s.proposal.tokens);
+            s.block.extend_from_slice(&s.proposal.tokens);
         }
 
         let t = Instant::now();
-        let rows: Vec<usize> = (0..=k).collect();
-        let verify = target.forward(&block, &mut cache, &rows, &layers)?;
-        features.extend_from_slice(&verify.hidden);
-        interleave(&verify.layer_inputs, h, &mut layer_features);
+        target.forward(&s.block, &mut cache, &block_rows[..=k], Some(&mut features), &mut s.logits)?;
         let limit = verification_limit(&s.proposal.tokens[..k], stop_ids);
         let mut accepted = 0;
         let mut next = None;
         let mut survive = 1.0f64;
         let mut expected = 0.0f64;
         for i in 0..limit {
-            cfg.sampling.distribution(&verify.logits[i * v..(i + 1) * v], &mut s.p, &mut s.order);
+            cfg.sampling.distribution(&s.logits[i * v..(i + 1) * v], &mut s.p, &mut s.order);
             let x = s.proposal.tokens[i];
             let alpha = (s.p[x as usize] as f64 / s.proposal.q_token[i] as f64).min(1.0);
             survive *= alpha;
@@ -186,7 +184,7 @@ pub fn speculative_turn(
             Some(t) => Some(t),
             None if ended_on_draft => None,
             None => {
-                cfg.sampling.distribution(&verify.logits[k * v..(k + 1) * v], &mut s.p, &mut s.order);
+                cfg.sampling.distribution(&s.logits[k * v..(k + 1) * v], &mut s.p, &mut s.order);
                 Some(draw(&s.p, rng))
             }
         };
@@ -196,10 +194,9 @@ pub fn speculative_turn(
         }
 
         // Keep the target's positions up to the last accepted draft; the new token is fed next step.
-        cache.truncate(n + accepted);
-        features.truncate((n + accepted) * h);
-        layer_features.truncate((n + accepted) * h * layers.len());
-        draft.rollback(n, accepted);
+        cache.truncate(n + accepted)?;
+        features.truncate(n + accepted)?;
+        draft.rollback(n, accepted)?;
         for &t in s.proposal.tokens[..accepted].iter().chain(next.iter()) {
             tokens.push(t);
             if stopped(t) {
@@ -213,18 +210,8 @@ pub fn speculative_turn(
     Ok((generated, rec))
 }
 
-/// Append, position by position, the concatenation of each captured layer's row (`[n, hidden]` each).
-pub(crate) fn interleave(per_layer: &[Vec<f32>], hidden: usize, out: &mut Vec<f32>) {
-    let Some(first) = per_layer.first() else { return };
-    for i in 0..first.len() / hidden {
-        for layer in per_layer {
-            out.extend_from_slice(&layer[i * hidden..(i + 1) * hidden]);
-        }
-    }
-}
-
 /// The token emitted when draft i is rejected: a draw from norm(max(0, p − q_i)).
-fn recover(p: &[f32], proposal: &Proposal, i: usize, head: &DraftHead, residual: &mut Vec<f32>, rng: &mut dyn rand::Rng) -> u32 {
+fn recover<M: HeadRows>(p: &[f32], proposal: &Proposal, i: usize, head: &DraftHead<M>, residual: &mut Vec<f32>, rng: &mut dyn rand::Rng) -> u32 {
     residual.clear();
     residual.extend_from_slice(p);
     match proposal.q.get(i).filter(|q| !q.is_empty()) {
@@ -253,18 +240,6 @@ fn recover(p: &[f32], proposal: &Proposal, i: usize, head: &DraftHead, residual:
     draw(residual, rng)
 }
 
-/// The target's greedy continuation of a prompt with the features drafts read.
-pub struct Continuation {
-    /// Prompt and generated tokens.
-    pub tokens: Vec<u32>,
-    /// Post-norm hidden states of every token but the last (which was never fed): `[tokens.len() - 1, hidden]`.
-    pub features: Vec<f32>,
-    /// For each requested layer, its input at the same positions.
-    pub captured: Vec<Vec<f32>>,
-    pub stop: StopReason,
-    pub secs: f64,
-}
-
 /// `new_tokens` greedy tokens after `prompt`, with no stop token: `next` forwards the tokens it is given on top of
 /// what it has seen (first the prompt, then each new token) and returns the argmax after the last.
 pub fn greedy_steps(prompt: &[u32], new_tokens: usize, mut next: impl FnMut(&[u32]) -> Result<u32>) -> Result<Vec<u32>> {
@@ -277,91 +252,51 @@ pub fn greedy_steps(prompt: &[u32], new_tokens: usize, mut next: impl FnMut(&[u3
     Ok(out)
 }
 
-/// Generate greedily one token at a time after `prompt`, keeping every position's features and the inputs of
-/// `layers`.
-pub fn greedy_continuation(target: &Model, stop_ids: &[u32], prompt: &[u32], max_new_tokens: usize, layers: &[usize]) -> Result<Continuation> {
-    Ok(greedy_continuations(target, stop_ids, &[prompt], max_new_tokens, layers)?.remove(0))
+/// The target's greedy continuation of `prompt`, one token a forward, with the features drafts read: every token
+/// but the last (never fed) has its row, and the layers asked for are captured.
+pub struct Continuation<F> {
+    /// Prompt and generated tokens.
+    pub tokens: Vec<u32>,
+    pub features: F,
+    pub stop: StopReason,
+    pub secs: f64,
 }
 
-/// Greedy continuations of several prompts decoded together: each prompt is prefilled alone, then each step
-/// forwards the newest token of every unfinished sequence as one block (`Model::forward_batch`), so a step's pass
-/// over the weights serves them all. Each continuation is what the prompt gets alone, bit for bit; `secs` is the
-/// call's wall time shared equally.
-pub fn greedy_continuations<P: AsRef<[u32]>>(target: &Model, stop_ids: &[u32], prompts: &[P], max_new_tokens: usize, layers: &[usize]) -> Result<Vec<Continuation>> {
-    continuations(target, stop_ids, prompts, max_new_tokens, layers, &mut |_, logits| crate::sampling::argmax(logits))
-}
-
-/// Continuations decoded together as `greedy_continuations` does, each next token chosen by `choose(sequence,
-/// logits)`: with a random stream per sequence, a sampled continuation does not depend on what else is in the batch.
-pub fn continuations<P: AsRef<[u32]>>(
-    target: &Model,
-    stop_ids: &[u32],
-    prompts: &[P],
-    max_new_tokens: usize,
-    layers: &[usize],
-    choose: &mut dyn FnMut(usize, &[f32]) -> u32,
-) -> Result<Vec<Continuation>> {
-    let prompts: Vec<&[u32]> = prompts.iter().map(|p| p.as_ref()).collect();
-    if prompts.iter().any(|p| p.is_empty()) {
+pub fn greedy_continuation<T: TargetModel>(target: &T, stop_ids: &[u32], prompt: &[u32], max_new_tokens: usize, layers: &[usize]) -> Result<Continuation<T::Features>> {
+    if prompt.is_empty() {
         bail!("empty prompt");
     }
     let t0 = Instant::now();
-    let ctx_limit = target.config.context_length;
-    let mut seqs = Vec::with_capacity(prompts.len());
-    let mut caches = Vec::with_capacity(prompts.len());
-    for (i, prompt) in prompts.iter().enumerate() {
-        let mut cache = target.new_cache();
-        let fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], layers)?;
-        let next = choose(i, &fwd.logits);
-        seqs.push((Continuation { tokens: prompt.to_vec(), features: fwd.hidden, captured: fwd.layer_inputs, stop: StopReason::MaxTokens, secs: 0.0 }, next));
-        caches.push(cache);
-    }
-    let (h, mut active): (usize, Vec<usize>) = (target.config.hidden, (0..prompts.len()).collect());
-    let mut tokens = Vec::with_capacity(prompts.len());
-    while !active.is_empty() {
-        // Take each sequence's next token; those that stop leave the batch.
-        active.retain(|&i| {
-            let (c, next) = &mut seqs[i];
-            c.tokens.push(*next);
-            let stop = if stop_ids.contains(next) {
-                Some(StopReason::EndOfTurn)
-            } else if c.tokens.len() - prompts[i].len() == max_new_tokens {
-                Some(StopReason::MaxTokens)
-            } else if caches[i].len() + 1 >= ctx_limit {
-                Some(StopReason::ContextLimit)
-            } else {
-                None
-            };
-            c.stop = stop.unwrap_or(c.stop);
-            stop.is_none()
-        });
-        if active.is_empty() {
-            break;
+    let mut cache = target.new_cache();
+    let mut features = target.new_features(layers);
+    let mut logits = Vec::new();
+    target.forward(prompt, &mut cache, &[prompt.len() - 1], Some(&mut features), &mut logits)?;
+    let mut tokens = prompt.to_vec();
+    let stop = loop {
+        let next = crate::sampling::argmax(&logits);
+        tokens.push(next);
+        if stop_ids.contains(&next) {
+            break StopReason::EndOfTurn;
+        } else if tokens.len() - prompt.len() == max_new_tokens {
+            break StopReason::MaxTokens;
+        } else if cache.len() + 1 >= target.context_length() {
+            break StopReason::ContextLimit;
         }
-        tokens.clear();
-        tokens.extend(active.iter().map(|&i| seqs[i].1));
-        let mut batch: Vec<&mut crate::model::Cache> = caches.iter_mut().enumerate().filter(|(i, _)| active.binary_search(i).is_ok()).map(|(_, c)| c).collect();
-        let fwd = target.forward_batch(&tokens, &mut batch, layers)?;
-        for (row, &i) in active.iter().enumerate() {
-            let (c, next) = &mut seqs[i];
-            c.features.extend_from_slice(&fwd.hidden[row * h..(row + 1) * h]);
-            c.captured.iter_mut().zip(&fwd.layer_inputs).for_each(|(c, l)| c.extend_from_slice(&l[row * h..(row + 1) * h]));
-            *next = choose(i, &fwd.logits[row * target.config.vocab..(row + 1) * target.config.vocab]);
-        }
-    }
-    let secs = t0.elapsed().as_secs_f64() / prompts.len() as f64;
-    Ok(seqs.into_iter().map(|(c, _)| Continuation { secs, ..c }).collect())
+        target.forward(&[next], &mut cache, &[0], Some(&mut features), &mut logits)?;
+    };
+    Ok(Continuation { tokens, features, stop, secs: t0.elapsed().as_secs_f64() })
 }
 
 /// Greedy (T = 0) speculative decoding for several drafts at once. Greedy output does not depend on the draft,
 /// so the target's continuation is generated once, and each draft is run along it: a draft token is accepted
 /// while it matches the continuation, and the next token is the continuation's. The target features the drafts
-/// read come from that one pass, bit-identical to what verification blocks compute, so each record equals the
-/// full loop's (tested); only `target_secs`, the shared pass, is the same for every draft.
-pub fn greedy_turns(
-    target: &Model,
+/// read come from that one pass; where the engine's blocks are bit-identical to single steps (the CPU engine)
+/// each record equals the full loop's (tested); only `target_secs`, the shared pass, is the same for every draft.
+/// The drafts read the same target layers (one captured set serves them all).
+pub fn greedy_turns<T: TargetModel>(
+    target: &T,
     stop_ids: &[u32],
-    drafts: &mut [(&mut dyn Draft, &DraftHead)],
+    drafts: &mut [(&mut dyn Draft<T>, &DraftHead<T::Head>)],
     prompt: &[u32],
     k: usize,
     max_new_tokens: usize,
@@ -369,25 +304,18 @@ pub fn greedy_turns(
     if k == 0 {
         bail!("k (draft tokens per step) must be at least 1");
     }
-    let (h, ctx_limit) = (target.config.hidden, target.config.context_length);
-    let layers: Vec<usize> = {
-        let mut all: Vec<usize> = drafts.iter().flat_map(|(d, _)| d.target_layers()).collect();
-        all.sort_unstable();
-        all.dedup();
-        all
-    };
-    let Continuation { tokens, features, captured, stop, secs: target_secs } = greedy_continuation(target, stop_ids, prompt, max_new_tokens, &layers)?;
+    let ctx_limit = target.context_length();
+    let layers = drafts.first().map(|(d, _)| d.target_layers()).unwrap_or_default();
+    if let Some((d, _)) = drafts.iter().find(|(d, _)| d.target_layers() != layers) {
+        bail!("the greedy fast path runs drafts that read the same target layers; {} reads {:?}, not {layers:?}", d.describe(), d.target_layers());
+    }
+    let Continuation { tokens, features, stop, secs: target_secs } = greedy_continuation(target, stop_ids, prompt, max_new_tokens, &layers)?;
     let stop = Some(stop);
 
     let mut records = Vec::with_capacity(drafts.len());
     let mut proposal = Proposal::default();
     let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
     for (draft, head) in drafts.iter_mut() {
-        // This draft's auxiliary features, in the order it asked for them.
-        let own: Vec<Vec<f32>> = draft.target_layers().iter().map(|l| captured[layers.binary_search(l).expect("captured")].clone()).collect();
-        let mut layer_features = Vec::new();
-        interleave(&own, h, &mut layer_features);
-        let width = own.len() * h;
         let mut rec = TurnRecord { prompt_tokens: prompt.len(), accepted_per_pos: vec![0; k], target_secs, ..TurnRecord::default() };
         draft.reset();
         // Replay the full loop's steps along the continuation: n tokens known, the last not yet verified.
@@ -397,11 +325,7 @@ pub fn greedy_turns(
             let k_used = drafts_allowed(k, remaining, ctx_limit.saturating_sub(n));
             let mut accepted = 0;
             if k_used > 0 {
-                let ctx = Context {
-                    tokens: &tokens[..n],
-                    features: &features[..(n - 1) * h],
-                    layer_features: &layer_features[..(n - 1) * width],
-                };
+                let ctx = Context { tokens: &tokens[..n], features: &features };
                 let t = Instant::now();
                 draft.propose(&ctx, k_used, head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
                 rec.draft_secs += t.elapsed().as_secs_f64();
@@ -409,7 +333,7 @@ pub fn greedy_turns(
                 // At T = 0 every α is 0 or 1, so the expected accepted count is the accepted count.
                 rec.count_step(verification_limit(&proposal.tokens, stop_ids), accepted, accepted as f64);
             }
-            draft.rollback(n, accepted);
+            draft.rollback(n, accepted)?;
             n += accepted + 1;
         }
         rec.generated = tokens.len() - prompt.len();

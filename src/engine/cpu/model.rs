@@ -6,7 +6,7 @@
 //! computed with the same arithmetic whether it arrives alone or in a block, so speculative verification of k+1
 //! tokens reproduces k+1 single-token steps bit for bit (tested).
 
-use crate::tensor::{dot, Matrix, MatmulScratch};
+use crate::engine::cpu::tensor::{dot, Matrix, MatmulScratch};
 use crate::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
@@ -449,7 +449,7 @@ impl Model {
     /// Forward `tokens` at positions `cache.len()..`, appending their keys and values to the cache.
     /// `logit_rows` are indices into the block; `capture_layers` are layer indices whose inputs to return.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
-        crate::tensor::pool().install(|| self.forward_in_pool(tokens, &mut [cache], logit_rows, capture_layers))
+        crate::engine::cpu::tensor::pool().install(|| self.forward_in_pool(tokens, &mut [cache], logit_rows, capture_layers))
     }
 
     /// Forward one token for each of several sequences at once, `tokens[i]` at position `caches[i].len()`: one pass
@@ -461,7 +461,7 @@ impl Model {
             bail!("a batched forward takes one token per sequence ({} tokens for {} caches)", tokens.len(), caches.len());
         }
         let rows: Vec<usize> = (0..tokens.len()).collect();
-        crate::tensor::pool().install(|| self.forward_in_pool(tokens, caches, &rows, capture_layers))
+        crate::engine::cpu::tensor::pool().install(|| self.forward_in_pool(tokens, caches, &rows, capture_layers))
     }
 
     /// `tokens` split evenly over `caches`, in order: each sequence's share continues it.

@@ -1,8 +1,7 @@
-//! Target-only decoding: the baseline every speculative run must reproduce.
+//! TargetModel-only decoding: the baseline every speculative run must reproduce.
 
-use crate::model::Model;
+use super::{Positions, TargetModel};
 use crate::sampling::{argmax, draw, Sampling};
-use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use std::time::Instant;
 
@@ -24,10 +23,10 @@ pub struct Generation {
     pub decode_secs: f64,
 }
 
-/// Decode up to `max_new` tokens after `prompt`, drawing every sample from `rng`.
-pub fn generate(
-    model: &Model,
-    tokenizer: &Tokenizer,
+/// Decode up to `max_new` tokens after `prompt` until one of `stop_ids`, drawing every sample from `rng`.
+pub fn generate<T: TargetModel>(
+    model: &T,
+    stop_ids: &[u32],
     prompt: &[u32],
     max_new: usize,
     sampling: Sampling,
@@ -38,7 +37,8 @@ pub fn generate(
     }
     let mut cache = model.new_cache();
     let started = Instant::now();
-    let mut logits = model.forward(prompt, &mut cache, &[prompt.len() - 1], &[])?.logits;
+    let mut logits = Vec::new();
+    model.forward(prompt, &mut cache, &[prompt.len() - 1], None, &mut logits)?;
     let prefill_secs = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let (mut probs, mut order) = (Vec::new(), Vec::new());
@@ -47,7 +47,7 @@ pub fn generate(
         if tokens.len() == max_new {
             break StopReason::MaxTokens;
         }
-        if cache.len() + 1 > model.config.context_length {
+        if cache.len() + 1 > model.context_length() {
             break StopReason::ContextLimit;
         }
         let next = if sampling.is_greedy() {
@@ -57,11 +57,11 @@ pub fn generate(
             draw(&probs, rng)
         };
         tokens.push(next);
-        if tokenizer.is_stop(next) {
+        if stop_ids.contains(&next) {
             break StopReason::EndOfTurn;
         }
         if tokens.len() < max_new {
-            logits = model.forward(&[next], &mut cache, &[0], &[])?.logits;
+            model.forward(&[next], &mut cache, &[0], None, &mut logits)?;
         }
     };
     Ok(Generation { prompt_tokens: prompt.len(), tokens, stop, prefill_secs, decode_secs: started.elapsed().as_secs_f64() })

@@ -1,43 +1,10 @@
-//! The target and an EAGLE-1 draft layer as candle tensors on any device and dtype: frspec's GPU path.
-//!
-//! The CPU engine (`model`, `draft`, `decode`) stays the reference: f32 activations, quantized weights, and bit-exact
-//! block forwards, which losslessness tests need. This path trades that for what a GPU runs fast: dense weights in
-//! f32, f16 or bf16, candle's kernels, attention in f32. It is built from an engine model (weights dequantized, for
-//! agreement checks) or with random weights of any shape (speed does not depend on the values, so a Llama-3.1-8B
-//! run needs no download).
+//! The Llama forward as candle tensors on any device and dtype, and its decoder layer (shared with the EAGLE drafts
+//! and training). Built from a CPU-engine model (weights dequantized) or with random weights of any shape (speed does
+//! not depend on the values, so a Llama-3.1-8B run needs no download).
 
-use crate::model::{Config, Model, RopeStyle};
-use anyhow::{bail, Context, Result};
+use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
-
-/// `cpu`, `cuda` or `cuda:N`.
-pub fn device(name: &str) -> Result<Device> {
-    if name == "cpu" {
-        return Ok(Device::Cpu);
-    }
-    let Some(rest) = name.strip_prefix("cuda") else {
-        bail!("--device {name}: expected cpu, cuda or cuda:N");
-    };
-    let ordinal = match rest {
-        "" => 0,
-        _ => rest.strip_prefix(':').and_then(|n| n.parse().ok()).with_context(|| format!("--device {name}: expected cuda:N with N a GPU index"))?,
-    };
-    if !candle_core::utils::cuda_is_available() {
-        bail!("--device {name}: this frspec was built without CUDA; build it with `--features cuda` (README, GPU)");
-    }
-    // candle's CUDA errors carry a backtrace in their text; its first line says what failed.
-    Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("--device {name}: no usable GPU: {}", e.to_string().lines().next().unwrap_or_default()))
-}
-
-/// `f32`, `f16` or `bf16`.
-pub fn dtype(name: &str) -> Result<DType> {
-    match name {
-        "f32" => Ok(DType::F32),
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        other => bail!("--dtype {other}: expected f32, f16 or bf16"),
-    }
-}
 
 /// The dimensions users ask about by name (from the models' config.json files), as a model config.
 pub fn named_shape(name: &str) -> Result<Config> {
@@ -72,7 +39,7 @@ pub fn streamed_parameters(c: &Config) -> usize {
 }
 
 /// A dense `[out, in]` matrix on the device, with the engine's values.
-pub fn dense(m: &crate::tensor::Matrix, device: &Device, dtype: DType) -> Result<Tensor> {
+pub fn dense(m: &crate::engine::cpu::tensor::Matrix, device: &Device, dtype: DType) -> Result<Tensor> {
     let mut values = vec![0.0f32; m.rows * m.cols];
     for (r, row) in values.chunks_exact_mut(m.cols).enumerate() {
         m.row_into(r, row);
@@ -100,6 +67,10 @@ pub struct Rope {
 }
 
 impl Rope {
+    pub fn of(g: &Geometry) -> Rope {
+        Rope { inv_freq: g.inv_freq.clone(), style: g.rope_style }
+    }
+
     /// Plain RoPE of base `theta` over HF's rotate-half pairs.
     pub fn halves(theta: f64, head_dim: usize) -> Rope {
         let inv_freq = (0..head_dim / 2).map(|j| theta.powf(-(2.0 * j as f64) / head_dim as f64) as f32).collect();
@@ -196,13 +167,20 @@ fn causal_mask(n: usize, total: usize, start: usize, strict: bool, device: &Devi
 }
 
 /// `x · wᵀ (+ b)` with `w` `[out, in]`.
-struct Proj {
+pub struct Proj {
     w: Tensor,
     b: Option<Tensor>,
 }
 
 impl Proj {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The engine's projection, weights dequantized onto `device` in `dtype`.
+    pub fn from_engine(p: &crate::engine::cpu::model::Linear, device: &Device, dtype: DType) -> Result<Proj> {
+        let b = p.bias.as_ref().map(|b| Tensor::from_slice(b, b.len(), device)?.to_dtype(dtype)).transpose()?;
+        Ok(Proj { w: dense(&p.weight, device, dtype)?, b })
+    }
+
+    pub fn forward
+(&self, x: &Tensor) -> Result<Tensor> {
         let y = x.matmul(&self.w.t()?)?;
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
@@ -231,7 +209,8 @@ impl Random<'_> {
     }
 }
 
-struct Layer {
+/// One decoder layer; EAGLE layers have no input norm.
+pub struct Layer {
     attn_norm: Option<Tensor>,
     q: Proj,
     k: Proj,
@@ -244,11 +223,8 @@ struct Layer {
 }
 
 impl Layer {
-    fn from_engine(l: &crate::model::Layer, device: &Device, dtype: DType) -> Result<Layer> {
-        let proj = |p: &crate::model::Linear| -> Result<Proj> {
-            let b = p.bias.as_ref().map(|b| Tensor::from_slice(b, b.len(), device)?.to_dtype(dtype)).transpose()?;
-            Ok(Proj { w: dense(&p.weight, device, dtype)?, b })
-        };
+    pub fn from_engine(l: &crate::engine::cpu::model::Layer, device: &Device, dtype: DType) -> Result<Layer> {
+        let proj = |p| Proj::from_engine(p, device, dtype);
         let norm = |w: &[f32]| Tensor::from_slice(w, w.len(), device);
         Ok(Layer {
             attn_norm: l.attn_norm.as_deref().map(norm).transpose()?,
@@ -278,12 +254,14 @@ impl Layer {
         })
     }
 
-    /// `x` `[n, hidden]` at positions `cache.len..`, appending its keys and values to `cache`.
-    fn forward(&self, s: &Config, rope: &RopeTables, x: &Tensor, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
+    /// `x` `[n, hidden]` at positions `start..`, appending its keys and values to `cache`. `attn_input` replaces
+    /// the (normed) stream as the attention's input (EAGLE-3).
+    pub fn forward(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let normed = match &self.attn_norm {
-            Some(w) => rms_norm(x, w, s.rms_eps as f64)?,
-            None => x.clone(),
+        let normed = match (attn_input, &self.attn_norm) {
+            (Some(a), _) => a.clone(),
+            (None, Some(w)) => rms_norm(x, w, s.rms_eps as f64)?,
+            (None, None) => x.clone(),
         };
         let heads = |t: Tensor, count: usize| -> Result<Tensor> { Ok(t.reshape((n, count, s.head_dim))?.transpose(0, 1)?.contiguous()?) };
         let q = rope.apply(&heads(self.q.forward(&normed)?, s.heads)?)?;
@@ -299,7 +277,7 @@ impl Layer {
 
 /// One layer's keys and values `[kv_heads, len, head_dim]`.
 #[derive(Default)]
-struct LayerCache {
+pub struct LayerCache {
     kv: Option<(Tensor, Tensor)>,
 }
 
@@ -329,7 +307,7 @@ pub struct Cache {
 }
 
 impl Cache {
-    fn new(layers: usize) -> Cache {
+    pub fn new(layers: usize) -> Cache {
         Cache { layers: (0..layers).map(|_| LayerCache::default()).collect(), len: 0 }
     }
 
@@ -339,6 +317,16 @@ impl Cache {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Layer `i`'s keys and values, for a caller running layers itself (a draft); `advance` then counts them.
+    pub fn layer(&mut self, i: usize) -> &mut LayerCache {
+        &mut self.layers[i]
+    }
+
+    /// Count `n` positions appended by a caller running the layers itself.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
     }
 
     /// Forget positions `len..` (rejected drafts).
@@ -354,6 +342,7 @@ impl Cache {
 /// A Llama target on a device.
 pub struct Llama {
     pub config: Config,
+    pub geometry: Geometry,
     rope: Rope,
     embed: Tensor,
     layers: Vec<Layer>,
@@ -370,7 +359,8 @@ impl Llama {
         let lm_head = if std::ptr::eq(model.lm_head(), model.embedding()) { embed.clone() } else { dense(model.lm_head(), device, dtype)? };
         Ok(Llama {
             config: model.config.clone(),
-            rope: Rope { inv_freq: model.geometry.inv_freq.clone(), style: model.config.rope_style },
+            geometry: model.geometry.clone(),
+            rope: Rope::of(&model.geometry),
             embed,
             layers: model.layers().iter().map(|l| Layer::from_engine(l, device, dtype)).collect::<Result<_>>()?,
             norm: Tensor::from_slice(model.norm(), model.norm().len(), device)?,
@@ -383,8 +373,10 @@ impl Llama {
     /// Random weights of the dimensions `shape` gives (an untied LM head, as Llama-3.1-8B has).
     pub fn random(shape: &Config, device: &Device, dtype: DType) -> Result<Llama> {
         let r = Random { device, dtype };
+        let geometry = Geometry::new(shape, None);
         Ok(Llama {
-            rope: Rope::halves(shape.rope_theta as f64, shape.head_dim),
+            rope: Rope::of(&geometry),
+            geometry,
             embed: r.matrix(shape.vocab, shape.hidden)?,
             layers: (0..shape.layers).map(|_| Layer::random(shape, &r, true)).collect::<Result<_>>()?,
             norm: r.ones(shape.hidden)?,
@@ -409,20 +401,41 @@ impl Llama {
 
     /// Forward `tokens` at positions `cache.len()..`; returns the hidden states after the final norm `[n, hidden]`.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
+        Ok(self.forward_capturing(tokens, cache, &[])?.0)
+    }
+
+    /// `forward`, also returning the stream entering each of `capture` (layer indices), `[n, hidden]` each.
+    pub fn forward_capturing(&self, tokens: &[u32], cache: &mut Cache, capture: &[usize]) -> Result<(Tensor, Vec<Tensor>)> {
+        let c = &self.config;
+        if cache.len + tokens.len() > c.context_length {
+            bail!("context limit: {} positions requested, the model allows {}", cache.len + tokens.len(), c.context_length);
+        }
+        if let Some(&l) = capture.iter().find(|&&l| l >= c.layers) {
+            bail!("layer {l} does not exist (the model has {})", c.layers);
+        }
         let start = cache.len;
         let mut x = self.embed(tokens)?;
         let rope = self.rope.at(start, tokens.len(), &self.device)?;
-        for (layer, kv) in self.layers.iter().zip(&mut cache.layers) {
-            x = layer.forward(&self.config, &rope, &x, kv, start)?;
+        let mut captured = vec![None; capture.len()];
+        for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
+            for (slot, _) in capture.iter().enumerate().filter(|(_, &l)| l == i) {
+                captured[slot] = Some(x.clone());
+            }
+            x = layer.forward(&self.geometry, &rope, &x, None, kv, start)?;
         }
         cache.len = start + tokens.len();
-        rms_norm(&x, &self.norm, self.config.rms_eps as f64)
+        Ok((rms_norm(&x, &self.norm, c.rms_eps as f64)?, captured.into_iter().map(|t| t.expect("every captured layer exists")).collect()))
     }
 
     /// Forward `tokens` at positions `cache.len()..`; the greedy token after the last of them.
     pub fn greedy_next(&self, tokens: &[u32], cache: &mut Cache) -> Result<u32> {
         let hidden = self.forward(tokens, cache)?;
         Ok(argmax_rows(&self.logits(&hidden.narrow(0, tokens.len() - 1, 1)?)?)?[0])
+    }
+
+    /// The LM head `[vocab, hidden]`.
+    pub fn lm_head(&self) -> &Tensor {
+        &self.lm_head
     }
 
     /// Full-vocabulary logits `[n, vocab]` of hidden states `[n, hidden]`.
@@ -444,7 +457,7 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 /// Greedy continuation of `prompt` by `new_tokens` tokens, one forward per token.
 pub fn greedy(model: &Llama, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();
-    crate::decode::greedy_steps(prompt, new_tokens, |tokens| model.greedy_next(tokens, &mut cache))
+    crate::speculative::decode::greedy_steps(prompt, new_tokens, |tokens| model.greedy_next(tokens, &mut cache))
 }
 
 /// An EAGLE-1 draft layer with random weights of the target's shape, and its FR-Spec head (the target's LM-head rows
@@ -452,7 +465,6 @@ pub fn greedy(model: &Llama, prompt: &[u32], new_tokens: usize) -> Result<Vec<u3
 pub struct EagleStep {
     fc: Proj,
     layer: Layer,
-    rope: Rope,
     head: Tensor,
 }
 
@@ -463,7 +475,6 @@ impl EagleStep {
         Ok(EagleStep {
             fc: r.proj(s.hidden, 2 * s.hidden)?,
             layer: Layer::random(s, &r, false)?,
-            rope: Rope::halves(s.rope_theta as f64, s.head_dim),
             head: target.head_rows(kept_ids)?,
         })
     }
@@ -478,9 +489,9 @@ impl EagleStep {
         let pair = Tensor::cat(&[&target.embed(tokens)?, features], 1)?;
         let x = self.fc.forward(&pair)?;
         let start = cache.len;
-        let rope = self.rope.at(start, tokens.len(), &target.device)?;
-        let out = self.layer.forward(&target.config, &rope, &x, &mut cache.layers[0], start)?;
-        cache.len = start + tokens.len();
+        let rope = target.rope.at(start, tokens.len(), &target.device)?;
+        let out = self.layer.forward(&target.geometry, &rope, &x, None, cache.layer(0), start)?;
+        cache.advance(tokens.len());
         let last = out.narrow(0, tokens.len() - 1, 1)?;
         let best = argmax_rows(&last.matmul(&self.head.t()?)?)?[0];
         Ok((last, best))

@@ -1,0 +1,180 @@
+//! The candle engine: the target and the drafts as candle tensors on any device (CPU or CUDA) in f32, f16 or bf16,
+//! behind the speculative core's traits. Features stay on the device; only the logits rows the loop asks for and a
+//! draft head's logits come back to the host. The CPU engine stays the reference (exact f32 activations, quantized
+//! weights, bit-exact blocks); this one trades that for what a GPU runs fast, and is checked against it.
+
+pub mod draft;
+pub mod llama;
+
+use crate::speculative::{HeadRows, Positions, TargetModel};
+use anyhow::{bail, Context as _, Result};
+use candle_core::{DType, Device, Tensor};
+use llama::{Cache, Llama};
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn device(name: &str) -> Result<Device> {
+    if name == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let Some(rest) = name.strip_prefix("cuda") else {
+        bail!("--device {name}: expected cpu, cuda or cuda:N");
+    };
+    let ordinal = match rest {
+        "" => 0,
+        _ => rest.strip_prefix(':').and_then(|n| n.parse().ok()).with_context(|| format!("--device {name}: expected cuda:N with N a GPU index"))?,
+    };
+    if !candle_core::utils::cuda_is_available() {
+        bail!("--device {name}: this frspec was built without CUDA; build it with `--features cuda` (README, GPU)");
+    }
+    // candle's CUDA errors carry a backtrace in their text; its first line says what failed.
+    Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("--device {name}: no usable GPU: {}", e.to_string().lines().next().unwrap_or_default()))
+}
+
+/// Whether this build can use a GPU here (CUDA compiled in and device 0 usable).
+pub fn gpu_present() -> bool {
+    candle_core::utils::cuda_is_available() && Device::new_cuda(0).is_ok()
+}
+
+/// `f32`, `f16` or `bf16`.
+pub fn dtype(name: &str) -> Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => bail!("--dtype {other}: expected f32, f16 or bf16"),
+    }
+}
+
+/// One sequence's captured features on the device: post-norm hidden states `[n, hidden]` and the inputs of the
+/// captured layers concatenated per position `[n, layers · hidden]`.
+pub struct DeviceFeatures {
+    hidden: Option<Tensor>,
+    layers: Option<Tensor>,
+    capture: Vec<usize>,
+    len: usize,
+}
+
+impl DeviceFeatures {
+    fn append(&mut self, hidden: Tensor, captured: Vec<Tensor>) -> Result<()> {
+        let n = hidden.dim(0)?;
+        let grow = |old: Option<Tensor>, new: Tensor| -> Result<Tensor> {
+            Ok(match old {
+                Some(old) => Tensor::cat(&[&old, &new], 0)?,
+                None => new,
+            })
+        };
+        self.hidden = Some(grow(self.hidden.take(), hidden)?);
+        if !captured.is_empty() {
+            self.layers = Some(grow(self.layers.take(), Tensor::cat(&captured, 1)?)?);
+        }
+        self.len += n;
+        Ok(())
+    }
+
+    fn rows(t: &Option<Tensor>, start: usize, n: usize, what: &str) -> Result<Tensor> {
+        let t = t.as_ref().with_context(|| format!("no {what} captured"))?;
+        Ok(t.narrow(0, start, n)?)
+    }
+
+    /// Post-norm hidden states of positions `start..start + n`.
+    pub fn hidden_rows(&self, start: usize, n: usize) -> Result<Tensor> {
+        Self::rows(&self.hidden, start, n, "hidden states")
+    }
+
+    /// Captured layer inputs of positions `start..start + n`, `[n, layers · hidden]`.
+    pub fn layer_rows(&self, start: usize, n: usize) -> Result<Tensor> {
+        Self::rows(&self.layers, start, n, "layer inputs")
+    }
+}
+
+impl Positions for DeviceFeatures {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len < self.len {
+            for t in [&mut self.hidden, &mut self.layers] {
+                *t = match t.take() {
+                    Some(x) if len > 0 => Some(x.narrow(0, 0, len)?),
+                    _ => None,
+                };
+            }
+            self.len = len;
+        }
+        Ok(())
+    }
+}
+
+impl Positions for Cache {
+    fn len(&self) -> usize {
+        Cache::len(self)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        Cache::truncate(self, len)
+    }
+}
+
+/// An LM head's rows `[rows, hidden]` on the device.
+#[derive(Clone)]
+pub struct DeviceHead(pub Tensor);
+
+impl HeadRows for DeviceHead {
+    /// `[1, hidden]`.
+    type Row = Tensor;
+    type Scratch = ();
+
+    fn rows(&self) -> usize {
+        self.0.dims()[0]
+    }
+
+    fn select_rows(&self, rows: &[u32]) -> Result<DeviceHead> {
+        Ok(DeviceHead(self.0.index_select(&Tensor::from_slice(rows, rows.len(), self.0.device())?, 0)?))
+    }
+
+    fn logits(&self, row: &Tensor, out: &mut Vec<f32>, _: &mut ()) -> Result<()> {
+        *out = row.matmul(&self.0.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(())
+    }
+}
+
+impl TargetModel for Llama {
+    type Cache = Cache;
+    type Features = DeviceFeatures;
+    type Head = DeviceHead;
+
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+
+    fn context_length(&self) -> usize {
+        self.config.context_length
+    }
+
+    fn new_cache(&self) -> Cache {
+        Llama::new_cache(self)
+    }
+
+    fn new_features(&self, layers: &[usize]) -> DeviceFeatures {
+        DeviceFeatures { hidden: None, layers: None, capture: layers.to_vec(), len: 0 }
+    }
+
+    fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], features: Option<&mut DeviceFeatures>, logits: &mut Vec<f32>) -> Result<()> {
+        if let Some(&r) = logit_rows.iter().find(|&&r| r >= tokens.len()) {
+            bail!("logit row {r} is outside the block of {} tokens", tokens.len());
+        }
+        let capture = features.as_ref().map_or(&[][..], |f| &f.capture[..]);
+        let (hidden, captured) = self.forward_capturing(tokens, cache, capture)?;
+        logits.clear();
+        if !logit_rows.is_empty() {
+            let rows: Vec<u32> = logit_rows.iter().map(|&r| r as u32).collect();
+            let picked = hidden.index_select(&Tensor::from_vec(rows, logit_rows.len(), &self.device)?, 0)?;
+            *logits = self.logits(&picked)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        }
+        if let Some(f) = features {
+            f.append(hidden, captured)?;
+        }
+        Ok(())
+    }
+}

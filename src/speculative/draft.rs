@@ -1,0 +1,263 @@
+//! What every draft shares whatever engine runs it: the LM head it proposes through (pruned by FR-Spec to a keep
+//! set, sliced or masked), the choice of each draft token from that head's logits, and the `Draft` interface.
+
+use super::{HeadRows, Row, TargetModel};
+use crate::sampling::{argmax, draw, Sampling};
+use crate::vocab::KeepSet;
+use anyhow::{bail, Result};
+use std::sync::Arc;
+
+/// How a pruned head computes its logits. Both give the same distribution and, for the same random stream, the
+/// same drafts: kept ids are sorted, so the sliced head's entries come in the masked head's order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadMode {
+    /// Gather the kept rows once into a [V′, H] matrix and compute V′ logits (the real speedup).
+    Slice,
+    /// Compute all V logits and set the pruned ones to −∞ (the seed's logits-processor experiment).
+    Mask,
+}
+
+/// A draft's LM head before pruning: its rows and, when row r is not token r (EAGLE-3's draft vocabulary),
+/// the target id of each row.
+#[derive(Clone)]
+pub struct LmHead<M> {
+    pub matrix: M,
+    pub row_ids: Option<Arc<Vec<u32>>>,
+    /// The target vocabulary the ids belong to.
+    pub vocab: usize,
+}
+
+impl<M: HeadRows> LmHead<M> {
+    /// A head whose row r is token r.
+    pub fn full(matrix: M) -> LmHead<M> {
+        let vocab = matrix.rows();
+        LmHead { matrix, row_ids: None, vocab }
+    }
+
+    fn row_id(&self, row: usize) -> u32 {
+        self.row_ids.as_ref().map_or(row as u32, |ids| ids[row])
+    }
+}
+
+/// The LM head a draft proposes through: the full head, or pruned to a keep set.
+pub struct DraftHead<M> {
+    lm: LmHead<M>,
+    /// Slice mode: the kept rows gathered into one matrix, and their target ids.
+    sliced: Option<(M, Vec<u32>)>,
+    /// Mask mode: which rows are kept.
+    mask: Option<Vec<bool>>,
+    kept: usize,
+}
+
+impl<M: HeadRows> DraftHead<M> {
+    pub fn new(lm: LmHead<M>, keep: Option<KeepSet>, mode: HeadMode) -> Result<DraftHead<M>> {
+        let rows = lm.matrix.rows();
+        // A keep set holding every id is no pruning: use the full head in either mode.
+        let Some(keep) = keep.filter(|k| k.ids.len() < lm.vocab) else {
+            return Ok(DraftHead { lm, sliced: None, mask: None, kept: rows });
+        };
+        if keep.vocab != lm.vocab {
+            bail!("keep set is for a vocabulary of {} ids, the draft head's vocabulary has {}", keep.vocab, lm.vocab);
+        }
+        let kept_rows: Vec<bool> = (0..rows).map(|r| keep.contains(lm.row_id(r))).collect();
+        let kept = kept_rows.iter().filter(|&&k| k).count();
+        if kept == 0 {
+            bail!("the keep set shares no id with the draft head's vocabulary");
+        }
+        Ok(match mode {
+            HeadMode::Slice => {
+                let picked: Vec<u32> = (0..rows as u32).filter(|&r| kept_rows[r as usize]).collect();
+                let ids = picked.iter().map(|&r| lm.row_id(r as usize)).collect();
+                let sliced = Some((lm.matrix.select_rows(&picked)?, ids));
+                DraftHead { lm, sliced, mask: None, kept }
+            }
+            HeadMode::Mask => DraftHead { lm, sliced: None, mask: Some(kept_rows), kept },
+        })
+    }
+
+    /// The target vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.lm.vocab
+    }
+
+    /// Rows the head computes logits for that can be proposed.
+    pub fn kept(&self) -> usize {
+        self.kept
+    }
+
+    /// Logits of one hidden row in head space: one entry per kept row (slice) or per row (full, mask; pruned
+    /// rows are −∞). Kept rows keep their order, so slice and mask draw identically from one random stream.
+    pub fn logits(&self, hidden: &M::Row, out: &mut Vec<f32>, scratch: &mut M::Scratch) -> Result<()> {
+        let m = self.sliced.as_ref().map_or(&self.lm.matrix, |(m, _)| m);
+        m.logits(hidden, out, scratch)?;
+        if let Some(mask) = &self.mask {
+            out.iter_mut().zip(mask).filter(|(_, &keep)| !keep).for_each(|(l, _)| *l = f32::NEG_INFINITY);
+        }
+        Ok(())
+    }
+
+    /// Token id of a head-space index.
+    pub fn id(&self, index: usize) -> u32 {
+        match &self.sliced {
+            Some((_, ids)) => ids[index],
+            None => self.lm.row_id(index),
+        }
+    }
+}
+
+/// How drafts are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftMode {
+    /// vLLM: the draft's argmax, treated as a point mass (acceptance probability p(x)).
+    Argmax,
+    /// Full speculative sampling: draw from the draft's softmax q; accept with min(1, p/q).
+    Sample,
+}
+
+/// The k tokens of one drafting round and what verification needs of the draft's distributions.
+#[derive(Default)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// q(token) for each proposed token.
+    pub q_token: Vec<f32>,
+    /// Per step, q over head space; empty when q is a point mass (argmax drafts, or greedy sampling).
+    pub q: Vec<Vec<f32>>,
+}
+
+impl Proposal {
+    fn clear(&mut self) {
+        self.tokens.clear();
+        self.q_token.clear();
+    }
+}
+
+/// Reusable buffers for choosing a draft token through heads of type `M`.
+pub struct Chooser<M: HeadRows> {
+    logits: Vec<f32>,
+    order: Vec<u32>,
+    pub scratch: M::Scratch,
+}
+
+impl<M: HeadRows> Default for Chooser<M> {
+    fn default() -> Self {
+        Chooser { logits: Vec::new(), order: Vec::new(), scratch: M::Scratch::default() }
+    }
+}
+
+impl<M: HeadRows> Chooser<M> {
+    /// Choose the next draft token from a hidden row and record it (with q) in `out`.
+    fn choose(&mut self, head: &DraftHead<M>, hidden: &M::Row, mode: DraftMode, sampling: Sampling, rng: &mut dyn rand::Rng, out: &mut Proposal) -> Result<()> {
+        head.logits(hidden, &mut self.logits, &mut self.scratch)?;
+        let step = out.tokens.len();
+        if mode == DraftMode::Argmax || sampling.is_greedy() {
+            out.tokens.push(head.id(argmax(&self.logits) as usize));
+            out.q_token.push(1.0);
+            if out.q.len() > step {
+                out.q[step].clear();
+            }
+            return Ok(());
+        }
+        if out.q.len() <= step {
+            out.q.resize_with(step + 1, Vec::new);
+        }
+        let q = &mut out.q[step];
+        sampling.distribution(&self.logits, q, &mut self.order);
+        let index = draw(q, rng) as usize;
+        out.tokens.push(head.id(index));
+        out.q_token.push(q[index]);
+        Ok(())
+    }
+}
+
+/// The sequence so far as the draft sees it.
+pub struct Context<'a, F> {
+    /// Every token; the last one has not been through the target yet.
+    pub tokens: &'a [u32],
+    /// The target's captured features, at least `tokens.len() - 1` positions (later ones are not read).
+    pub features: &'a F,
+}
+
+/// A draft for targets of type `T`: it keeps its own cache, follows the sequence and proposes tokens.
+pub trait Draft<T: TargetModel> {
+    fn describe(&self) -> String;
+    /// The LM head the draft's logits come from (before pruning).
+    fn lm_head(&self) -> LmHead<T::Head>;
+    /// Target layers whose input streams the draft reads (EAGLE-3's auxiliary hidden states).
+    fn target_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Forget the sequence (a new turn).
+    fn reset(&mut self);
+    /// Process what the draft has not seen of `ctx`; returns the head input (a hidden row) for the first draft.
+    fn catch_up(&mut self, ctx: &Context<T::Features>) -> Result<Row<T>>;
+    /// Feed the draft token just chosen; returns the head input for the next one.
+    fn extend(&mut self, token: u32) -> Result<Row<T>>;
+    /// Verification kept `accepted` of the proposals of a round that began with `before` tokens.
+    fn rollback(&mut self, before: usize, accepted: usize) -> Result<()>;
+    fn chooser(&mut self) -> &mut Chooser<T::Head>;
+
+    /// Propose `k` tokens after `ctx.tokens`: catch up, then choose and extend one token at a time.
+    #[allow(clippy::too_many_arguments)]
+    fn propose(
+        &mut self,
+        ctx: &Context<T::Features>,
+        k: usize,
+        head: &DraftHead<T::Head>,
+        mode: DraftMode,
+        sampling: Sampling,
+        rng: &mut dyn rand::Rng,
+        out: &mut Proposal,
+    ) -> Result<()> {
+        out.clear();
+        let mut row = self.catch_up(ctx)?;
+        for step in 0..k {
+            self.chooser().choose(head, &row, mode, sampling, rng, out)?;
+            if step + 1 < k {
+                row = self.extend(out.tokens[step])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Which kind of draft `--draft` names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DraftKind {
+    /// An EAGLE-1 head folder.
+    Eagle,
+    /// An EAGLE-3 head folder.
+    Eagle3,
+    /// An independent model sharing the target's tokenizer.
+    Model,
+    /// The target's first N layers (+ final norm + LM head); needs no `--draft`.
+    Truncated(usize),
+}
+
+impl std::str::FromStr for DraftKind {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<DraftKind> {
+        match s {
+            "eagle" => Ok(DraftKind::Eagle),
+            "eagle3" => Ok(DraftKind::Eagle3),
+            "model" => Ok(DraftKind::Model),
+            _ => match s.strip_prefix("truncated:").map(str::parse::<usize>) {
+                Some(Ok(n)) if n > 0 => Ok(DraftKind::Truncated(n)),
+                _ => bail!("draft kind '{s}' is not one of eagle, eagle3, model, truncated:N (N ≥ 1)"),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DraftKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftKind::Eagle => f.write_str("eagle"),
+            DraftKind::Eagle3 => f.write_str("eagle3"),
+            DraftKind::Model => f.write_str("model"),
+            DraftKind::Truncated(n) => write!(f, "truncated:{n}"),
+        }
+    }
+}
