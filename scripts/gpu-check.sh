@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU and no network, with a frspec built elsewhere by
 #   eval "$(scripts/cuda-toolchain.sh)" && cargo build --release --features cuda
-# Downloads nothing: every model is synthetic. Planned for about 2 minutes on one H200 (not yet timed there); at most 8.
+# Downloads nothing: every model is synthetic. The first three parts took 39.5 s on one H200 (2026-11-30); the sweeps
+# of part 4 are planned for about a minute more (not yet timed there); at most 5 minutes.
 #   1. agreement: greedy tokens of a synthetic model in f32 on the GPU against the CPU engine (exit 1 if they differ)
 #   2. bench head at Llama-3.1 size (H 4096, V 128256) in bf16, B = 1 … 1024, every ratio
 #   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s and its share of the measured
-#      memory bandwidth, a verification pass, an EAGLE-1 drafting step at each ratio
+#      memory bandwidth, a verification pass, and the speculative loop with a random EAGLE-1 head at each ratio
+#      (its tokens/s and drafting time; acceptance is meaningless with random weights, speed is not)
+#   4. a sweep of a synthetic target and draft model on the GPU (candle engine, f32) against the same sweep on the
+#      CPU engine: `check` must pass and every T = 0 record must be identical (exit 1 otherwise)
 # Usage: scripts/gpu-check.sh FRSPEC_BINARY[.xz] OUT_DIR   (figures and logs go to OUT_DIR)
 # scripts/gpu-build.sh makes .gpu/frspec.xz, small enough to travel to a GPU machine with the checkout.
 set -euo pipefail
@@ -51,5 +55,25 @@ echo "== 2. bench head, H 4096, V 128256, bf16"
 
 echo "== 3. bench decode, Llama-3.1-8B shape, bf16, random weights"
 "$bin" bench decode --shape llama31-8b --device cuda --dtype bf16 --new-tokens 128 --runs 3 --json | tee "$out/decode-llama31-8b.json"
+
+echo "== 4. a sweep on the GPU (candle engine, f32) against the same sweep on the CPU engine"
+"$bin" synthetic-model --out "$work/draft" --hidden 256 --layers 2 --vocab 4096 --seed 8 >/dev/null
+python3 - "$work" <<'PY'
+import json, pathlib, sys
+work = pathlib.Path(sys.argv[1])
+topics = ["rivers", "prime numbers", "a letter to a friend", "the moon", "sorting a list", "tea", "chess", "rain"]
+with open(work / "questions.jsonl", "w") as f:
+    for i, t in enumerate(topics):
+        f.write(json.dumps({"question_id": 81 + i, "category": "writing", "turns": [f"Write about {t}."]}) + "\n")
+(work / "corpus.txt").write_text("\n".join(f"The {t} and the words we use to tell of {t}, again and again." for t in topics * 20))
+PY
+"$bin" freq build --tokenizer "$work/synthetic" --corpus "$work/corpus.txt" --out "$work/freq.safetensors" >/dev/null
+sweep=(sweep --model "$work/synthetic" --draft "$work/draft" --draft-kind model --freq "$work/freq.safetensors"
+       --dataset "$work/questions.jsonl" --ratios 0,0.5,0.9 --temperatures 0,1 --repeats 2 --max-new-tokens 48 --k 4 --quiet)
+"$bin" "${sweep[@]}" --out "$out/sweep-cpu" > "$out/sweep-cpu.txt"
+"$bin" "${sweep[@]}" --device cuda --dtype f32 --out "$out/sweep-cuda" > "$out/sweep-cuda.txt"
+"$bin" check --baseline "$out/sweep-cpu" --current "$out/sweep-cuda" > "$out/sweep-check.txt" || status=1
+tail -n 3 "$out/sweep-check.txt"
+python3 "$(dirname "$0")/compare-sweeps.py" "$out/sweep-cpu" "$out/sweep-cuda" | tee "$out/sweep-compare.txt" || status=1
 
 exit $status

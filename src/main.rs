@@ -721,10 +721,20 @@ fn run(cli: Cli) -> Result<()> {
                 println!("prefill {:>9.1} tokens/s", b.prefill_tok_s);
                 println!("verify  {:>9.3} ms for {} tokens (one-token step {:.3} ms)", 1e3 * b.verify_secs, k + 1, 1e3 * b.decode_step_secs);
                 let header: Vec<String> = lengths.iter().map(|l| format!("tok/s@{l}")).collect();
-                println!("{:>6} {:>8} {:>10} {:>10} {:>11} {}", "ratio", "kept", "draft ms", "step ms", "break-even", header.iter().map(|h| format!("{h:>11}")).collect::<String>());
+                println!(
+                    "{:>6} {:>8} {:>10} {:>10} {:>11} {:>11} {}",
+                    "ratio",
+                    "kept",
+                    "draft ms",
+                    "step ms",
+                    "loop tok/s",
+                    "break-even",
+                    header.iter().map(|h| format!("{h:>11}")).collect::<String>()
+                );
                 for d in &b.drafts {
                     let projected: String = d.projected_tok_s.iter().map(|t| format!("{t:>11.1}")).collect();
-                    println!("{:>6} {:>8} {:>10.3} {:>10.3} {:>11.2} {projected}", d.ratio, d.kept, 1e3 * d.draft_step_secs, 1e3 * d.speculative_step_secs, d.break_even_length);
+                    let (draft_ms, step_ms) = (1e3 * d.draft_step_secs, 1e3 * d.speculative_step_secs);
+                    println!("{:>6} {:>8} {draft_ms:>10.3} {step_ms:>10.3} {:>11.1} {:>11.2} {projected}", d.ratio, d.kept, d.loop_tok_s, d.break_even_length);
                 }
                 if let Some(a) = &b.agreement {
                     match a.first_difference {

@@ -68,11 +68,13 @@ struct Panel<'a> {
     mark_vanilla: bool,
     /// Start the x axis at 0 (ratios) rather than at the data (positions).
     x_from_zero: bool,
+    /// The x values are whole numbers (draft positions): label those only.
+    whole_x: bool,
 }
 
 impl Panel<'_> {
     fn against_ratio<'a>(title: &'a str, x_label: &'a str, y_label: &'a str) -> Panel<'a> {
-        Panel { title, x_label, y_label, zero_line: false, mark_vanilla: false, x_from_zero: true }
+        Panel { title, x_label, y_label, zero_line: false, mark_vanilla: false, x_from_zero: true, whole_x: false }
     }
 }
 
@@ -87,7 +89,13 @@ where
     let ys = series.iter().flat_map(|s| s.points.iter().flat_map(|(_, e)| [e.bootstrap.lo, e.bootstrap.hi, e.value]));
     let (y_lo, y_hi) = range(ys, panel.zero_line);
     let mut chart = builder(area, title).build_cartesian_2d(x_lo..x_hi, y_lo..y_hi).map_err(err)?;
-    axes(&mut chart.configure_mesh(), x_label, y_label).draw().map_err(err)?;
+    let whole = |v: &f64| if v.fract() == 0.0 { format!("{v}") } else { String::new() };
+    let mut mesh = chart.configure_mesh();
+    axes(&mut mesh, x_label, y_label);
+    if panel.whole_x {
+        mesh.x_labels((x_hi - x_lo).floor() as usize + 1).x_label_formatter(&whole);
+    }
+    mesh.draw().map_err(err)?;
     if panel.zero_line {
         chart.draw_series(LineSeries::new([(x_lo, 0.0), (x_hi, 0.0)], BLACK.stroke_width(1))).map_err(err)?;
     }
@@ -211,7 +219,7 @@ impl Charts<'_> {
                         })
                         .collect();
                     let title = format!("T = {t}: steps accepting ≥ i drafts");
-                    let p = Panel { x_from_zero: false, ..Panel::against_ratio(&title, "draft position i", "share of drafting steps") };
+                    let p = Panel { x_from_zero: false, whole_x: true, ..Panel::against_ratio(&title, "draft position i", "share of drafting steps") };
                     bands(panel, &p, &series)?;
                 }
                 Ok(())

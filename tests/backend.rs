@@ -1,10 +1,12 @@
-//! The candle backend (frspec's GPU path) against the CPU engine, run here on the CPU in f32: the same model gives
+//! The candle engine (frspec's GPU path) against the CPU engine, run here on the CPU in f32: the same model gives
 //! the same greedy tokens and nearly the same hidden states; its caches roll back as verification needs; the
 //! `bench decode` route through it reports and compares.
 
 mod common;
 use common::frspec;
-use frspec::engine::candle::llama::{greedy, named_shape, EagleStep, Llama};
+use frspec::engine::candle::draft::DraftWeights;
+use frspec::engine::candle::llama::{greedy, named_shape, Llama};
+use frspec::speculative::{Context, TargetModel};
 use frspec::engine::cpu::model::Config;
 use frspec::bench::engine_greedy;
 use frspec::chat::Message;
@@ -66,23 +68,20 @@ fn caches_roll_back_and_blocks_equal_single_steps() {
     let stepped = Tensor::cat(&rows, 0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert!(max_abs_diff(&first, &stepped) < 1e-4);
 
-    // The draft layer: a prefill of n positions then one step equals n + 1 positions at once.
-    let ids: Vec<u32> = (0..100).collect();
-    let eagle = EagleStep::random(&llama, &ids).unwrap();
-    let features = llama.forward(&prompt, &mut llama.new_cache()).unwrap();
-    let n = prompt.len() - 1;
-    let mut whole = eagle.new_cache();
-    let (all, best_all) = eagle.forward(&llama, &prompt[1..], &features.narrow(0, 0, n).unwrap(), &mut whole).unwrap();
-    let mut parts = eagle.new_cache();
-    eagle.forward(&llama, &prompt[1..n], &features.narrow(0, 0, n - 1).unwrap(), &mut parts).unwrap();
-    let (last, best_last) = eagle.forward(&llama, &prompt[n..], &features.narrow(0, n - 1, 1).unwrap(), &mut parts).unwrap();
+    // An EAGLE-1 draft on this engine: catching up on n positions then one more equals n + 1 positions at once.
+    let eagle = DraftWeights::random_eagle(&llama).unwrap();
+    let mut features = llama.new_features(&[]);
+    TargetModel::forward(&llama, &prompt, &mut llama.new_cache(), &[], Some(&mut features), &mut Vec::new()).unwrap();
+    let mut whole = eagle.instance(&llama);
+    let all = whole.catch_up(&Context { tokens: &prompt, features: &features }).unwrap();
+    let mut parts = eagle.instance(&llama);
+    parts.catch_up(&Context { tokens: &prompt[..prompt.len() - 1], features: &features }).unwrap();
+    let last = parts.catch_up(&Context { tokens: &prompt, features: &features }).unwrap();
     assert!(max_abs_diff(&all, &last.flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-4);
-    assert_eq!(best_all, best_last);
-    assert!((best_all as usize) < ids.len());
 }
 
 #[test]
-fn bench_decode_on_the_candle_backend_compares_with_the_engine() {
+fn bench_decode_on_the_candle_engine_compares_with_the_engine() {
     // The model folder scripts/gpu-check.sh makes.
     let dir = tempfile::tempdir().unwrap();
     let made = frspec().args(["synthetic-model", "--out", dir.path().to_str().unwrap(), "--hidden", "128", "--layers", "2", "--vocab", "260"]).output().unwrap();
@@ -102,6 +101,7 @@ fn bench_decode_on_the_candle_backend_compares_with_the_engine() {
     assert_eq!(drafts.len(), 2);
     assert_eq!(drafts[1]["kept"], 130);
     assert_eq!(drafts[0]["projected_tok_s"].as_array().unwrap().len(), 2);
+    assert!(drafts.iter().all(|d| d["loop_tok_s"].as_f64().unwrap() > 0.0 && d["draft_step_secs"].as_f64().unwrap() > 0.0), "{drafts:?}");
     let step = drafts[0]["speculative_step_secs"].as_f64().unwrap();
     let expected = b["verify_secs"].as_f64().unwrap() + 4.0 * drafts[0]["draft_step_secs"].as_f64().unwrap();
     assert!((step - expected).abs() < 1e-12 * step.max(1.0));

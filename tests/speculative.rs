@@ -1,14 +1,18 @@
-//! The speculative engine: lossless greedy decoding on the real SmolLM2 target with a truncated draft and an
-//! EAGLE-1 head at every ratio and k; the sampling distribution on a small synthetic model (χ² tests that pass
-//! for the real verifier and fail for samples from the draft); slice == mask; determinism.
+//! The speculative core on both engines: lossless greedy decoding on the real SmolLM2 target with a truncated draft
+//! and an EAGLE-1 head at every ratio and k; the sampling distribution on a small synthetic model (χ² tests that
+//! pass for the real verifier on the CPU and candle engines and fail for samples from the draft); slice == mask;
+//! determinism; the candle engine's records equal the CPU engine's (SmolLM2 with the shipped head, EAGLE-3).
 
 mod common;
 use common::asset;
 use frspec::chat::Message;
-use frspec::speculative::decode::{speculative_turn, SpecConfig, TurnRecord};
+use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
 use frspec::engine::cpu::draft::{build, EagleDraft, ModelDraft};
-use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode};
+use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode, TargetModel};
 use frspec::speculative::generate::generate;
+use frspec::engine::candle::draft::DraftWeights;
+use frspec::engine::candle::llama::Llama;
+use frspec::engine::cpu::draft::Loaded;
 use frspec::engine::cpu::model::Model;
 use frspec::sampling::Sampling;
 use frspec::synthetic::{self, Shape};
@@ -190,8 +194,23 @@ fn first_three_counts(v: usize, mut sample: impl FnMut(&mut ChaCha20Rng) -> Vec<
     counts
 }
 
+/// The first three tokens the sampled loop emits on `target` with `draft` follow `exact` (χ²), for each draft mode
+/// and keep set of `cases`.
+fn assert_sampling_matches<T: TargetModel>(target: &T, draft: &mut dyn Draft<T>, cases: &[(DraftMode, Option<KeepSet>)], exact: &[Vec<f64>; 3], prompt: &[u32], sampling: Sampling, engine: &str) {
+    let v = target.vocab();
+    for (mode, keep) in cases.iter().cloned() {
+        let head = DraftHead::new(draft.lm_head(), keep.clone(), HeadMode::Slice).unwrap();
+        let cfg = SpecConfig { k: 2, mode, sampling, max_new_tokens: 3 };
+        let counts = first_three_counts(v, |rng| speculative_turn(target, &[], draft, &head, prompt, &cfg, rng).unwrap().0);
+        for pos in 0..3 {
+            let p = chi_square_p(&counts[pos], &exact[pos]);
+            assert!(p > 0.001, "{engine} engine, {mode:?} keep {:?}: token {} p-value {p}", keep.as_ref().map(|k| k.ids.len()), pos + 1);
+        }
+    }
+}
+
 #[test]
-fn speculative_sampling_matches_the_target_distribution_and_the_test_catches_a_broken_verifier() {
+fn speculative_sampling_matches_the_target_distribution_on_both_engines_and_the_test_catches_a_broken_verifier() {
     let (_dir, target, draft_model) = tiny_pair();
     let v = target.config.vocab;
     let prompt = [3u32, 17, 5];
@@ -199,16 +218,15 @@ fn speculative_sampling_matches_the_target_distribution_and_the_test_catches_a_b
     let exact = exact_marginals(&target, &prompt, sampling);
     let ranking = Frequencies::from_counts(&(0..v as u64).map(|i| (i * 7919) % 31).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
     let half = ranking.keep_set(KeepRule::Ratio(0.5), v, &[]).unwrap();
-    let mut draft = ModelDraft::new(draft_model, "tiny draft".into());
-    for (mode, keep) in [(DraftMode::Sample, Some(half.clone())), (DraftMode::Argmax, Some(half.clone())), (DraftMode::Sample, None)] {
-        let head = DraftHead::new(draft.lm_head(), keep.clone(), HeadMode::Slice).unwrap();
-        let cfg = SpecConfig { k: 2, mode, sampling, max_new_tokens: 3 };
-        let counts = first_three_counts(v, |rng| speculative_turn(&target, &[], &mut draft, &head, &prompt, &cfg, rng).unwrap().0);
-        for pos in 0..3 {
-            let p = chi_square_p(&counts[pos], &exact[pos]);
-            assert!(p > 0.001, "{mode:?} keep {:?}: token {} p-value {p}", keep.as_ref().map(|k| k.ids.len()), pos + 1);
-        }
-    }
+    let draft = Loaded::Model(ModelDraft::new(draft_model, "tiny draft".into()));
+    let llama = Llama::from_engine(&target, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let mut on_candle = DraftWeights::from_engine(&draft, &llama).unwrap().instance(&llama);
+    // Draws from the draft's q and argmax drafts, with and without pruning, on the reference engine; on the candle
+    // engine, whose loop and verifier are the same code, draws from q through a pruned head.
+    let cases = [(DraftMode::Sample, Some(half.clone())), (DraftMode::Argmax, Some(half.clone())), (DraftMode::Sample, None)];
+    assert_sampling_matches(&target, draft.boxed().as_mut(), &cases, &exact, &prompt, sampling, "cpu");
+    assert_sampling_matches(&llama, on_candle.as_mut(), &cases[..1], &exact, &prompt, sampling, "candle");
+
     // An accept-everything verifier emits the draft's own samples: the same test must reject them.
     let (_d2, _, draft_model) = tiny_pair();
     let counts = first_three_counts(v, |rng| {
@@ -291,8 +309,26 @@ fn generate_tiny(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
+/// Every (ratio × head mode × greedy/sampled) turn of an EAGLE-3 draft after `prompt`, in that order.
+fn eagle3_turns<T: TargetModel>(target: &T, draft: &mut dyn Draft<T>, ranking: &Frequencies, prompt: &[u32]) -> Vec<(Vec<u32>, TurnRecord)> {
+    let mut out = Vec::new();
+    for ratio in [0.0, 0.5, 0.8] {
+        let keep = (ratio > 0.0).then(|| ranking.keep_set(KeepRule::Ratio(ratio), 260, &[]).unwrap());
+        for mode in [HeadMode::Slice, HeadMode::Mask] {
+            let head = DraftHead::new(draft.lm_head(), keep.clone(), mode).unwrap();
+            assert!(head.kept() <= 100);
+            for sampling in [Sampling::GREEDY, Sampling::new(1.0, 1.0).unwrap()] {
+                let cfg = SpecConfig { k: 3, mode: DraftMode::Sample, sampling, max_new_tokens: 20 };
+                let (tokens, rec) = speculative_turn(target, &[], draft, &head, prompt, &cfg, &mut ChaCha20Rng::seed_from_u64(5)).unwrap();
+                out.push((tokens, rec.without_timings()));
+            }
+        }
+    }
+    out
+}
+
 #[test]
-fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft_vocabulary() {
+fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft_vocabulary_on_both_engines() {
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape { layers: 4, ..Shape::tiny() };
     synthetic::write_model(dir.path(), &shape, 9, candle_core::DType::F32).unwrap();
@@ -302,26 +338,70 @@ fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft
     assert_eq!(draft.target_layers(), [2, 2, 1]);
     let draft_ids: Vec<u32> = (0..100).map(|d| DraftHead::new(draft.lm_head(), None, HeadMode::Slice).unwrap().id(d)).collect();
     assert_eq!(&draft_ids[..4], [0, 5, 6, 7], "d2t offsets map draft ids to target ids");
+    let llama = Llama::from_engine(&target, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let mut on_candle = DraftWeights::from_engine(&Loaded::Eagle3(frspec::engine::cpu::draft::Eagle3Draft::load(&fixture, &target).unwrap()), &llama)
+        .unwrap()
+        .instance(&llama);
     let ranking = Frequencies::from_counts(&(0..260u64).map(|i| (i * 53) % 97).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
     for prompt in [&[256u32, 72, 105, 33, 257][..], &[9, 8, 7, 6]] {
         let want = generate_tiny(&target, prompt, 20);
-        for ratio in [0.0, 0.5, 0.8] {
-            let keep = (ratio > 0.0).then(|| ranking.keep_set(KeepRule::Ratio(ratio), 260, &[]).unwrap());
-            let mut records = Vec::new();
-            for mode in [HeadMode::Slice, HeadMode::Mask] {
-                let head = DraftHead::new(draft.lm_head(), keep.clone(), mode).unwrap();
-                assert!(head.kept() <= 100);
-                for sampling in [Sampling::GREEDY, Sampling::new(1.0, 1.0).unwrap()] {
-                    let cfg = SpecConfig { k: 3, mode: DraftMode::Sample, sampling, max_new_tokens: 20 };
-                    let mut rng = ChaCha20Rng::seed_from_u64(5);
-                    let (tokens, rec) = speculative_turn(&target, &[], &mut draft, &head, prompt, &cfg, &mut rng).unwrap();
-                    if sampling.is_greedy() {
-                        assert_eq!(tokens, want, "EAGLE-3 ratio {ratio} {mode:?}: output differs from target greedy");
-                    }
-                    records.push((tokens, rec.without_timings()));
-                }
+        let cpu = eagle3_turns(&target, &mut draft, &ranking, prompt);
+        let candle = eagle3_turns(&llama, on_candle.as_mut(), &ranking, prompt);
+        for (engine, turns) in [("cpu", &cpu), ("candle", &candle)] {
+            // Per ratio: slice greedy, slice sampled, mask greedy, mask sampled.
+            for (ratio, cell) in [0.0, 0.5, 0.8].iter().zip(turns.chunks(4)) {
+                assert_eq!(cell[0].0, want, "{engine} engine, EAGLE-3 ratio {ratio}: output differs from target greedy");
+                assert_eq!(cell[..2], cell[2..], "{engine} engine: slice and mask heads give identical records (ratio {ratio})");
             }
-            assert_eq!(records[..2], records[2..], "slice and mask heads give identical records (ratio {ratio})");
+        }
+        // Tokens and counts are equal; the expected accepted count sums ratios p/q, equal to float rounding.
+        for ((cpu_tokens, cpu_rec), (tokens, rec)) in cpu.iter().zip(&candle) {
+            assert_eq!(tokens, cpu_tokens, "the candle engine's EAGLE-3 tokens equal the CPU engine's");
+            let close = (rec.expected_accepted - cpu_rec.expected_accepted).abs() <= 1e-5 * cpu_rec.expected_accepted.max(1.0);
+            assert!(close, "expected accepted {} vs {}", rec.expected_accepted, cpu_rec.expected_accepted);
+            let counts = |r: &TurnRecord| TurnRecord { expected_accepted: 0.0, ..r.clone() };
+            assert_eq!(counts(rec), counts(cpu_rec), "the candle engine's EAGLE-3 counts equal the CPU engine's");
+        }
+    }
+}
+
+#[test]
+fn the_candle_engine_gives_the_cpu_engines_records_with_the_shipped_eagle_head() {
+    let t = smollm2();
+    let load = || frspec::engine::cpu::draft::load(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap();
+    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let weights = DraftWeights::from_engine(&load(), &llama).unwrap();
+    let ratios = [0.0, 0.5, 0.9];
+    let mut on_cpu: Vec<Box<dyn Draft<Model>>> = ratios.iter().map(|_| load().boxed()).collect();
+    let mut on_candle: Vec<Box<dyn Draft<Llama> + '_>> = ratios.iter().map(|_| weights.instance(&llama)).collect();
+    let cpu_heads: Vec<_> = on_cpu.iter().zip(ratios).map(|(d, r)| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
+    let candle_heads: Vec<_> = on_candle.iter().zip(ratios).map(|(d, r)| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
+    let (prompts, stop) = (mt_bench_prompts(10), &t.tokenizer.stop_ids);
+    let mut accepted = 0;
+    // The T = 0 path a sweep takes: the target's continuation once, every ratio's draft along it.
+    for k in [1, 4] {
+        for (i, prompt) in prompts.iter().enumerate() {
+            let mut pairs: Vec<(&mut dyn Draft<Model>, _)> = on_cpu.iter_mut().zip(&cpu_heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<Model>, h)).collect();
+            let (want, want_recs) = greedy_turns(&t.model, stop, &mut pairs, prompt, k, 64).unwrap();
+            let mut pairs: Vec<(&mut dyn Draft<Llama>, _)> = on_candle.iter_mut().zip(&candle_heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<Llama>, h)).collect();
+            let (got, recs) = greedy_turns(&llama, stop, &mut pairs, prompt, k, 64).unwrap();
+            assert_eq!(got, want, "k {k} prompt {i}: tokens");
+            for ((rec, want_rec), ratio) in recs.iter().zip(&want_recs).zip(ratios) {
+                assert_eq!(rec.without_timings(), want_rec.without_timings(), "ratio {ratio} k {k} prompt {i}: record");
+                accepted += rec.accepted;
+            }
+        }
+    }
+    assert!(accepted > 0, "the shipped head drafts tokens the target accepts");
+    // The full loop: verification blocks on each engine, caches and features rolled back.
+    let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 64 };
+    for (i, prompt) in prompts[..2].iter().enumerate() {
+        for (j, ratio) in ratios.iter().enumerate() {
+            let mut rng = ChaCha20Rng::seed_from_u64(1);
+            let (want, want_rec) = speculative_turn(&t.model, stop, on_cpu[j].as_mut(), &cpu_heads[j], prompt, &cfg, &mut rng).unwrap();
+            let mut rng = ChaCha20Rng::seed_from_u64(1);
+            let (got, rec) = speculative_turn(&llama, stop, on_candle[j].as_mut(), &candle_heads[j], prompt, &cfg, &mut rng).unwrap();
+            assert_eq!((got, rec.without_timings()), (want, want_rec.without_timings()), "full loop, ratio {ratio} prompt {i}");
         }
     }
 }

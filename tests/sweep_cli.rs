@@ -34,10 +34,16 @@ impl Fixture {
         self.dir.path().join(name).display().to_string()
     }
 
-    /// A sweep command writing into `out`, with extra flags.
+    /// A sweep command writing into `out` with the draft model, with extra flags.
     fn sweep(&self, out: &Path, extra: &[&str]) -> Command {
+        self.sweep_drafting(out, &["--draft", &self.path("draft"), "--draft-kind", "model"], extra)
+    }
+
+    /// A sweep command writing into `out` with the draft `draft` names, with extra flags.
+    fn sweep_drafting(&self, out: &Path, draft: &[&str], extra: &[&str]) -> Command {
         let mut cmd = frspec();
-        cmd.args(["sweep", "--model", &self.path("target"), "--draft", &self.path("draft"), "--draft-kind", "model"]);
+        cmd.args(["sweep", "--model", &self.path("target")]);
+        cmd.args(draft);
         cmd.args(["--freq", &self.path("freq.safetensors"), "--dataset", &self.path("questions.jsonl")]);
         cmd.args(["--k", "3", "--draft-mode", "sample", "--seed", "7", "--quiet", "--out", out.to_str().unwrap()]);
         cmd.args(extra);
@@ -208,6 +214,58 @@ fn check_passes_its_own_baseline_fails_a_doctored_one_and_refuses_what_it_cannot
     let (code, _, stderr) = check(&a, &b);
     assert_eq!(code, Some(2));
     assert!(stderr.contains("summary.parquet is not a readable Parquet file"), "{stderr}");
+}
+
+#[test]
+fn a_sweep_on_the_candle_engine_passes_check_against_the_cpu_engines_and_reruns_byte_for_byte() {
+    let f = Fixture::new(4);
+    let (cpu, a, b) = (f.dir.path().join("cpu"), f.dir.path().join("candle-a"), f.dir.path().join("candle-b"));
+    // The target's first layer drafts: accepted often, not always, so the counts say something.
+    let truncated = ["--draft-kind", "truncated:1"];
+    ok(f.sweep_drafting(&cpu, &truncated, &SMALL));
+    let candle: Vec<&str> = SMALL.iter().copied().chain(["--engine", "candle"]).collect();
+    ok(f.sweep_drafting(&a, &truncated, &candle));
+    ok(f.sweep_drafting(&b, &truncated, &candle));
+    for file in ["runs.parquet", "summary.parquet"] {
+        assert!(bytes(&a, file) == bytes(&b, file), "{file} differs between two candle runs with the same seed");
+    }
+    let (code, stdout, stderr) = check(&cpu, &a);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    // At T = 0 the engines agree record for record on this model (the counts; timings differ).
+    let counts = |dir: &Path| {
+        let runs = frspec::store::read(&dir.join("runs.parquet")).unwrap();
+        let t0 = runs.column("temperature").unwrap().f32().unwrap().into_no_null_iter().map(|t| t == 0.0).collect::<Vec<_>>();
+        let col = |c: &str| runs.column(c).unwrap().u64().unwrap().into_no_null_iter().collect::<Vec<u64>>();
+        let (drafts, accepted, generated) = (col("drafts"), col("accepted"), col("generated"));
+        (0..runs.height()).filter(|&i| t0[i]).map(|i| (drafts[i], accepted[i], generated[i])).collect::<Vec<_>>()
+    };
+    let want = counts(&cpu);
+    assert!(!want.is_empty() && want.iter().any(|c| c.1 > 0) && want.iter().any(|c| c.1 < 3 * c.0), "{want:?}");
+    assert_eq!(counts(&a), want);
+    let manifest: serde_json::Value = serde_json::from_slice(&bytes(&a, "manifest.json")).unwrap();
+    assert_eq!((manifest["settings"]["engine"].as_str(), manifest["hardware"]["engine"].as_str()), (Some("candle"), Some("candle")), "{manifest}");
+    assert_eq!(manifest["hardware"]["dtype"].as_str(), Some("f32"));
+    let cpu_manifest: serde_json::Value = serde_json::from_slice(&bytes(&cpu, "manifest.json")).unwrap();
+    assert!(cpu_manifest["settings"].get("engine").is_none(), "the CPU engine leaves the settings as before engines existed");
+
+    // A folder belongs to its engine: resuming it on the other is refused, and bad engine settings are too.
+    let resume: Vec<&str> = candle.iter().copied().chain(["--resume"]).collect();
+    let out = f.sweep_drafting(&cpu, &truncated, &resume).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("engine"), "{}", String::from_utf8_lossy(&out.stderr));
+    for (flags, message) in [
+        (&["--engine", "cpu", "--dtype", "bf16"][..], "dtype bf16: the cpu engine computes activations in f32"),
+        (&["--engine", "cpu", "--device", "cuda"], "device cuda: the cpu engine runs on the CPU"),
+        (&["--engine", "candle", "--dtype", "f64"], "--dtype f64: expected f32, f16 or bf16"),
+        (&["--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+    ] {
+        let out_dir = f.dir.path().join("refused");
+        let args: Vec<&str> = SMALL.iter().copied().chain(flags.iter().copied()).collect();
+        let out = f.sweep(&out_dir, &args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {stderr}");
+        assert!(stderr.contains(message), "{flags:?}: {stderr}");
+        assert!(!out_dir.exists(), "{flags:?}: a refused sweep leaves no folder");
+    }
 }
 
 #[test]

@@ -1,9 +1,13 @@
-//! Speed on any device through the candle backend: target-only decode, a verification pass, an EAGLE-1 drafting
-//! step at each kept vocabulary, the LM head alone, and the device's own ceilings to compare them with.
+//! Speed on any device through the candle engine: target-only decode, a verification pass, the speculative loop with
+//! an EAGLE-1 draft at each kept vocabulary, the LM head alone, and the device's own ceilings to compare them with.
 
 use super::{median, median_secs, HeadPoint, Roofline};
-use crate::engine::candle::llama::{argmax_rows, greedy, streamed_parameters, EagleStep, Llama};
+use crate::engine::candle::draft::DraftWeights;
+use crate::engine::candle::llama::{argmax_rows, greedy, streamed_parameters, Llama};
 use crate::engine::cpu::model::{Config, Model};
+use crate::sampling::Sampling;
+use crate::speculative::{speculative_turn, DraftHead, DraftMode, HeadMode, SpecConfig};
+use crate::vocab::KeepSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
@@ -65,8 +69,12 @@ pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], devi
 pub struct DraftCost {
     pub ratio: f64,
     pub kept: usize,
-    /// Median seconds of one EAGLE-1 drafting step (fc, the layer, the kept LM-head rows, argmax).
+    /// Median over runs of the speculative loop's drafting seconds per draft token (fc, the layer, the kept LM-head
+    /// rows, the token chosen on the host).
     pub draft_step_secs: f64,
+    /// Median tokens/s of the speculative loop itself (prefill included) with this random head, which the target
+    /// almost never accepts: about one token per step.
+    pub loop_tok_s: f64,
     /// One verification pass plus k drafting steps.
     pub speculative_step_secs: f64,
     /// The mean acceptance length at which speculative decoding matches target-only speed.
@@ -128,8 +136,9 @@ pub struct DecodeSettings<'a> {
     pub acceptance_lengths: &'a [f64],
 }
 
-/// Target-only decode speed and the cost of a speculative step at each ratio. Draft weights are random (speed does
-/// not depend on them), so speculative speed is projected from the step cost at given acceptance lengths.
+/// Target-only decode speed and the cost of a speculative step at each ratio, timed in the speculative loop. Draft
+/// weights are random (speed does not depend on them), so speculative speed is projected from the step cost at given
+/// acceptance lengths.
 pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&Model>) -> Result<DeviceDecodeBench> {
     let device = &model.device;
     let (mut decode_runs, mut prefill_runs) = (Vec::new(), Vec::new());
@@ -152,7 +161,7 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
     let decode_tok_s = median(&decode_runs);
 
     let mut cache = model.new_cache();
-    let features = model.forward(s.prompt, &mut cache)?;
+    model.forward(s.prompt, &mut cache)?;
     let base = cache.len();
     let block: Vec<u32> = s.prompt.iter().cycle().take(s.k + 1).copied().collect();
     let verify_secs = median_secs(|| {
@@ -161,29 +170,33 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
     })?;
 
     let decode_step_secs = 1.0 / decode_tok_s;
+    let eagle = DraftWeights::random_eagle(model)?;
+    let vocab = model.config.vocab;
+    let cfg = SpecConfig { k: s.k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: s.new_tokens };
+    let mut rng = <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(0);
     let mut drafts = Vec::new();
     for &ratio in s.ratios {
-        let kept = crate::vocab::kept_for_ratio(ratio, model.config.vocab);
-        let ids: Vec<u32> = (0..kept as u32).collect();
-        let eagle = EagleStep::random(model, &ids)?;
-        let mut draft_cache = eagle.new_cache();
-        eagle.forward(model, &s.prompt[1..], &features.narrow(0, 0, s.prompt.len() - 1)?, &mut draft_cache)?;
-        let draft_base = draft_cache.len();
-        let last = features.narrow(0, s.prompt.len() - 1, 1)?;
-        let chain = median_secs(|| {
-            let (mut feature, mut token) = (last.clone(), s.prompt[s.prompt.len() - 1]);
-            for _ in 0..s.k {
-                let (out, best) = eagle.forward(model, &[token], &feature, &mut draft_cache)?;
-                (feature, token) = (out, ids[best as usize]);
+        let kept = crate::vocab::kept_for_ratio(ratio, vocab);
+        let mut draft = eagle.instance(model);
+        let keep = (kept < vocab).then(|| KeepSet { ids: (0..kept as u32).collect(), vocab });
+        let head = DraftHead::new(draft.lm_head(), keep, HeadMode::Slice)?;
+        let (mut per_draft, mut loop_runs) = (Vec::new(), Vec::new());
+        for run in 0..=s.runs {
+            let t = Instant::now();
+            let (tokens, rec) = speculative_turn(model, &[], draft.as_mut(), &head, s.prompt, &cfg, &mut rng)?;
+            let wall = t.elapsed().as_secs_f64();
+            if run > 0 {
+                per_draft.push(rec.draft_secs / rec.draft_tokens.max(1) as f64);
+                loop_runs.push(tokens.len() as f64 / wall);
             }
-            draft_cache.truncate(draft_base)
-        })?;
-        let draft_step_secs = chain / s.k as f64;
-        let speculative_step_secs = verify_secs + chain;
+        }
+        let draft_step_secs = median(&per_draft);
+        let speculative_step_secs = verify_secs + s.k as f64 * draft_step_secs;
         drafts.push(DraftCost {
             ratio,
             kept,
             draft_step_secs,
+            loop_tok_s: median(&loop_runs),
             speculative_step_secs,
             break_even_length: speculative_step_secs / decode_step_secs,
             projected_tok_s: s.acceptance_lengths.iter().map(|l| l / speculative_step_secs).collect(),

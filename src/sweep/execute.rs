@@ -81,6 +81,7 @@ fn check(settings: &Settings, questions: &[Question]) -> Result<()> {
         EngineKind::Cpu => {}
         EngineKind::Candle => {
             candle::dtype(&settings.dtype)?;
+            candle::device(&settings.device)?;
         }
     }
     let labels = match &settings.pruning {

@@ -2,7 +2,7 @@
 //! compute (`engine::cpu::draft`, whose loaders read and check the checkpoints) with candle tensors on the device.
 //! Weights are converted once and shared (candle tensors are reference-counted); each `instance` has its own cache.
 
-use super::llama::{rms_norm, Cache, Layer, Llama, Proj, Rope};
+use super::llama::{rms_norm, Cache, Layer, Llama, Proj, Random, Rope};
 use super::{DeviceFeatures, DeviceHead};
 use crate::engine::cpu::draft::Loaded;
 use crate::engine::cpu::model::Geometry;
@@ -49,6 +49,18 @@ impl DraftWeights {
                 source: d.source.display().to_string(),
             })),
         })
+    }
+
+    /// An EAGLE-1 head with random weights of `target`'s shape: what drafting costs does not depend on the values.
+    pub fn random_eagle(target: &Llama) -> Result<DraftWeights> {
+        let (c, r) = (&target.config, Random { device: &target.device, dtype: target.dtype });
+        Ok(DraftWeights::Eagle(Arc::new(EagleWeights {
+            fc: r.proj(c.hidden, 2 * c.hidden)?,
+            layer: Layer::random(c, &r, false)?,
+            rope: Rope::of(&target.geometry),
+            geometry: target.geometry.clone(),
+            source: "random".into(),
+        })))
     }
 
     /// A draft with an empty cache drafting for `target`.

@@ -190,9 +190,9 @@ impl Proj {
 }
 
 /// Weights drawn at random, scaled so activations stay of order one through many layers.
-struct Random<'a> {
-    device: &'a Device,
-    dtype: DType,
+pub(crate) struct Random<'a> {
+    pub device: &'a Device,
+    pub dtype: DType,
 }
 
 impl Random<'_> {
@@ -200,7 +200,7 @@ impl Random<'_> {
         Ok(Tensor::randn(0f32, (1.0 / cols as f64).sqrt() as f32, (rows, cols), self.device)?.to_dtype(self.dtype)?)
     }
 
-    fn proj(&self, rows: usize, cols: usize) -> Result<Proj> {
+    pub(crate) fn proj(&self, rows: usize, cols: usize) -> Result<Proj> {
         Ok(Proj { w: self.matrix(rows, cols)?, b: None })
     }
 
@@ -239,7 +239,7 @@ impl Layer {
         })
     }
 
-    fn random(s: &Config, r: &Random, attn_norm: bool) -> Result<Layer> {
+    pub(crate) fn random(s: &Config, r: &Random, attn_norm: bool) -> Result<Layer> {
         let (h, kv, i) = (s.hidden, s.kv_heads * s.head_dim, s.intermediate);
         Ok(Layer {
             attn_norm: if attn_norm { Some(r.ones(h)?) } else { None },
@@ -329,12 +329,14 @@ impl Cache {
         self.len += n;
     }
 
-    /// Forget positions `len..` (rejected drafts).
+    /// Forget positions `len..` (rejected drafts); nothing when the cache holds no more than `len`.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
-        for l in &mut self.layers {
-            l.truncate(len)?;
+        if len < self.len {
+            for l in &mut self.layers {
+                l.truncate(len)?;
+            }
+            self.len = len;
         }
-        self.len = self.len.min(len);
         Ok(())
     }
 }
@@ -458,42 +460,4 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 pub fn greedy(model: &Llama, prompt: &[u32], new_tokens: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();
     crate::speculative::decode::greedy_steps(prompt, new_tokens, |tokens| model.greedy_next(tokens, &mut cache))
-}
-
-/// An EAGLE-1 draft layer with random weights of the target's shape, and its FR-Spec head (the target's LM-head rows
-/// for the kept ids). For speed: what one drafting step costs at each kept vocabulary.
-pub struct EagleStep {
-    fc: Proj,
-    layer: Layer,
-    head: Tensor,
-}
-
-impl EagleStep {
-    pub fn random(target: &Llama, kept_ids: &[u32]) -> Result<EagleStep> {
-        let s = &target.config;
-        let r = Random { device: &target.device, dtype: target.dtype };
-        Ok(EagleStep {
-            fc: r.proj(s.hidden, 2 * s.hidden)?,
-            layer: Layer::random(s, &r, false)?,
-            head: target.head_rows(kept_ids)?,
-        })
-    }
-
-    pub fn new_cache(&self) -> Cache {
-        Cache::new(1)
-    }
-
-    /// Draft positions pairing `features` `[n, hidden]` with the next `tokens`: the layer outputs `[n, hidden]` and
-    /// the index (into the kept ids) of the best token after the last one.
-    pub fn forward(&self, target: &Llama, tokens: &[u32], features: &Tensor, cache: &mut Cache) -> Result<(Tensor, u32)> {
-        let pair = Tensor::cat(&[&target.embed(tokens)?, features], 1)?;
-        let x = self.fc.forward(&pair)?;
-        let start = cache.len;
-        let rope = target.rope.at(start, tokens.len(), &target.device)?;
-        let out = self.layer.forward(&target.geometry, &rope, &x, None, cache.layer(0), start)?;
-        cache.advance(tokens.len());
-        let last = out.narrow(0, tokens.len() - 1, 1)?;
-        let best = argmax_rows(&last.matmul(&self.head.t()?)?)?[0];
-        Ok((last, best))
-    }
 }

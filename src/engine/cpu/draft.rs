@@ -480,11 +480,17 @@ pub fn load<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::target
     })
 }
 
+impl<'a> Loaded<'a> {
+    pub fn boxed(self) -> Box<dyn Draft<Model> + 'a> {
+        match self {
+            Loaded::Model(d) => Box::new(d),
+            Loaded::Eagle(d) => Box::new(d),
+            Loaded::Eagle3(d) => Box::new(d),
+        }
+    }
+}
+
 /// Build the draft for `target` (loaded from `target_spec`) on the CPU engine.
 pub fn build<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::target::Target, target_spec: &str) -> Result<Box<dyn Draft<Model> + 'a>> {
-    Ok(match load(kind, draft, target, target_spec)? {
-        Loaded::Model(d) => Box::new(d),
-        Loaded::Eagle(d) => Box::new(d),
-        Loaded::Eagle3(d) => Box::new(d),
-    })
+    Ok(load(kind, draft, target, target_spec)?.boxed())
 }
