@@ -1,31 +1,28 @@
 //! frspec: how much a speculative-decoding draft loses, and gains, when its vocabulary is pruned (FR-Spec).
 //!
-//! Data flows one way: a target model (`model`, loaded by `target` from `weights` through `hub` or `assets`)
-//! and its `tokenizer` / `chat` template turn prompts into tokens; `generate` decodes, `score` teacher-forces,
-//! `bench` times. A sweep flows spec (presets, sweep files, flags) → sweep (cells, units, resume) → decode →
-//! records → summary (stats) → store (Parquet) and report.
+//! The folders show the architecture: `speculative` is the engine-independent core (the draft-verify loop, the
+//! T = 0 fast path, target-only generation, pruned draft heads) over small traits that `engine::cpu` (bit-exact
+//! kernels) and `engine::candle` (CPU or GPU) implement; `loading` gets models (weights, hub, assets), `text` turns
+//! prompts into tokens (tokenizer, chat, dataset); `outputs` (Parquet, report, check, plots, manifest) only consume
+//! results; `commands` holds what the subcommands do, so `main.rs` parses and dispatches.
+//!
+//! Data flows one way: settings (`spec`: presets, sweep files, flags) → plan and units (`sweep`) → decode
+//! (`speculative` on an engine) → records → summary (`summary`, `stats`) → outputs.
 
-pub mod assets;
 pub mod bench;
-pub mod chat;
-pub mod check;
-pub mod dataset;
+pub mod commands;
 pub mod engine;
-pub mod hub;
-pub mod manifest;
-pub mod plot;
-pub mod report;
+pub mod files;
+pub mod loading;
+pub mod outputs;
 pub mod sampling;
 pub mod score;
 pub mod speculative;
 pub mod spec;
 pub mod stats;
-pub mod store;
 pub mod summary;
 pub mod sweep;
 pub mod synthetic;
-pub mod target;
-pub mod tokenizer;
+pub mod text;
 pub mod train;
 pub mod vocab;
-pub mod weights;

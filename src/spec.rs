@@ -252,7 +252,7 @@ pub fn resolve(file: Option<&SweepSpec>, vllm: Option<&SweepSpec>, flags: &Sweep
     let on_cpu = device == "cpu";
     Ok(Settings {
         preset: preset_name,
-        model: s.model.unwrap_or_else(|| crate::target::DEFAULT_MODEL.into()),
+        model: s.model.unwrap_or_else(|| crate::loading::target::DEFAULT_MODEL.into()),
         draft: s.draft,
         draft_kind,
         freq: s.freq,

@@ -41,18 +41,6 @@ impl Counts {
     }
 }
 
-impl From<&crate::speculative::decode::TurnRecord> for Counts {
-    fn from(r: &crate::speculative::decode::TurnRecord) -> Counts {
-        Counts {
-            drafts: r.drafts,
-            draft_tokens: r.draft_tokens,
-            accepted: r.accepted,
-            expected_accepted: r.expected_accepted,
-            accepted_per_pos: r.accepted_per_pos.clone(),
-        }
-    }
-}
-
 /// What is estimated from pooled counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Metric {

@@ -77,7 +77,7 @@ impl KeepSet {
 
 /// The file a frequency spec names: a named asset (such as brown-smollm2) or a path.
 pub fn freq_path(spec: &str) -> Result<PathBuf> {
-    crate::assets::named(spec).unwrap_or_else(|| Ok(PathBuf::from(spec)))
+    crate::loading::assets::named(spec).unwrap_or_else(|| Ok(PathBuf::from(spec)))
 }
 
 impl Frequencies {
@@ -198,7 +198,7 @@ impl Frequencies {
         let mut meta = self.metadata.clone();
         meta.insert("format".into(), "frspec-frequencies-v1".into());
         let bytes = sorted_header(safetensors::tensor::serialize(views, Some(meta))?)?;
-        crate::store::write_atomic(path, &bytes)
+        crate::files::write_atomic(path, &bytes)
     }
 }
 
@@ -373,7 +373,7 @@ pub fn corpus_lines(path: &Path, format: CorpusFormat) -> Result<Vec<String>> {
 }
 
 /// Per-id counts of the tokens of `lines` (index = id), counted in parallel.
-pub fn count_tokens(tokenizer: &crate::tokenizer::Tokenizer, lines: &[String], vocab: usize) -> Result<Vec<u64>> {
+pub fn count_tokens(tokenizer: &crate::text::tokenizer::Tokenizer, lines: &[String], vocab: usize) -> Result<Vec<u64>> {
     use rayon::prelude::*;
     lines
         .par_chunks(256)

@@ -9,10 +9,10 @@ use frspec::engine::candle::llama::{greedy, named_shape, Llama};
 use frspec::speculative::{Context, TargetModel};
 use frspec::engine::cpu::model::Config;
 use frspec::bench::engine_greedy;
-use frspec::chat::Message;
+use frspec::text::chat::Message;
 use frspec::engine::cpu::model::Model;
 use frspec::synthetic::{self, Shape};
-use frspec::target::Target;
+use frspec::loading::target::Target;
 use candle_core::{DType, Device, Tensor};
 
 fn max_abs_diff(a: &Tensor, b: &[f32]) -> f32 {

@@ -12,7 +12,7 @@ fn head_benchmark_writes_every_keep_size_and_batch() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let df = frspec::store::read(&dir.path().join("head.parquet")).unwrap();
+    let df = frspec::outputs::store::read(&dir.path().join("head.parquet")).unwrap();
     assert_eq!(df.height(), 3 * 3);
     let kept: Vec<u64> = df.column("kept").unwrap().u64().unwrap().into_no_null_iter().collect();
     // ⌈(1 − 0.99)·1000⌉ = 11 in f64, as in vLLM's Python.

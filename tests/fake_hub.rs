@@ -3,7 +3,7 @@
 
 mod common;
 use common::{asset, frspec};
-use frspec::hub::{Hub, RepoId, RepoKind};
+use frspec::loading::hub::{Hub, RepoId, RepoKind};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;

@@ -2,13 +2,12 @@
 //! Llama-3.1's RoPE scaling, against values HF transformers computes.
 
 mod common;
-use frspec::chat::Message;
-use frspec::tokenizer::Tokenizer;
+use frspec::text::chat::Message;
 
 #[test]
 fn llama31_tokenizer_and_chat_template_match_transformers() {
     common::asset("llama31-tokenizer");
-    let t = Tokenizer::load("llama31-tokenizer").unwrap();
+    let t = frspec::loading::target::load_tokenizer("llama31-tokenizer").unwrap();
     assert_eq!(t.vocab_size, 128_256);
     // transformers: apply_chat_template([user "Hi"], add_generation_prompt=True)
     assert_eq!(t.chat_prompt(&[Message::new("user", "Hi")]).unwrap(), [128000, 128006, 882, 128007, 271, 13347, 128009, 128006, 78191, 128007, 271]);

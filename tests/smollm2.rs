@@ -2,10 +2,10 @@
 
 mod common;
 use common::asset;
-use frspec::chat::Message;
+use frspec::text::chat::Message;
 use frspec::speculative::generate::{generate, StopReason};
 use frspec::sampling::Sampling;
-use frspec::target::Target;
+use frspec::loading::target::Target;
 use rand::SeedableRng;
 use std::sync::OnceLock;
 

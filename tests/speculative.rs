@@ -5,7 +5,7 @@
 
 mod common;
 use common::asset;
-use frspec::chat::Message;
+use frspec::text::chat::Message;
 use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
 use frspec::engine::cpu::draft::{build, EagleDraft, ModelDraft};
 use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode, TargetModel};
@@ -16,7 +16,7 @@ use frspec::engine::cpu::draft::Loaded;
 use frspec::engine::cpu::model::Model;
 use frspec::sampling::Sampling;
 use frspec::synthetic::{self, Shape};
-use frspec::target::Target;
+use frspec::loading::target::Target;
 use frspec::vocab::{corpus_lines, count_tokens, CorpusFormat, Frequencies, KeepRule, KeepSet};
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;

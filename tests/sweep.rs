@@ -1,13 +1,13 @@
 //! The sweep core on a tiny synthetic target with a separate synthetic draft model.
 
-use frspec::dataset::Question;
+use frspec::text::dataset::Question;
 use frspec::speculative::decode::TurnRecord;
 use frspec::engine::cpu::draft::build;
 use frspec::engine::cpu::model::Model;
 use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode};
 use frspec::sweep::{run, Engine, Plan, Run, UnitKey};
 use frspec::synthetic::{self, Shape};
-use frspec::target::Target;
+use frspec::loading::target::Target;
 use frspec::vocab::{Frequencies, KeepRule};
 
 fn questions(turns: usize) -> Vec<Question> {

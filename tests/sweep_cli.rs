@@ -76,14 +76,14 @@ fn writes_the_tables_with_their_schema_and_counts_and_repeats_them_byte_for_byte
         assert!(bytes(&a, file) == bytes(&b, file), "{file} differs between two runs with the same seed");
     }
 
-    let runs = frspec::store::read(&a.join("runs.parquet")).unwrap();
+    let runs = frspec::outputs::store::read(&a.join("runs.parquet")).unwrap();
     assert_eq!(runs.height(), 2 * 2 * 2 * 3 * 2, "ratios × temperatures × repeats × prompts × turns");
     let names: Vec<String> = runs.get_column_names().iter().map(|n| n.to_string()).collect();
     for col in ["ratio", "kept", "temperature", "repeat", "question_id", "category", "turn", "drafts", "draft_tokens", "accepted",
         "expected_accepted", "accepted_pos1", "accepted_pos3", "stop"] {
         assert!(names.iter().any(|n| n == col), "runs.parquet lacks {col}: {names:?}");
     }
-    let summary = frspec::store::read(&a.join("summary.parquet")).unwrap();
+    let summary = frspec::outputs::store::read(&a.join("summary.parquet")).unwrap();
     assert_eq!(summary.height(), 4, "one row per ratio × temperature");
     // Pooled counts in the summary are the sums of the runs', and the vanilla row's difference is zero.
     let col_u64 = |df: &polars::prelude::DataFrame, c: &str| df.column(c).unwrap().u64().unwrap().into_no_null_iter().collect::<Vec<u64>>();
@@ -98,8 +98,8 @@ fn writes_the_tables_with_their_schema_and_counts_and_repeats_them_byte_for_byte
     {
         assert!(*lo <= *v && *v <= hi, "{lo} ≤ {v} ≤ {hi}");
     }
-    assert_eq!(frspec::store::read(&a.join("timings.parquet")).unwrap().height(), runs.height());
-    assert_eq!(frspec::store::read(&a.join("timing_summary.parquet")).unwrap().height(), 4);
+    assert_eq!(frspec::outputs::store::read(&a.join("timings.parquet")).unwrap().height(), runs.height());
+    assert_eq!(frspec::outputs::store::read(&a.join("timing_summary.parquet")).unwrap().height(), 4);
 
     let manifest: serde_json::Value = serde_json::from_slice(&bytes(&a, "manifest.json")).unwrap();
     assert_eq!(manifest["settings"]["repeats"], 2);
@@ -181,12 +181,12 @@ fn check_passes_its_own_baseline_fails_a_doctored_one_and_refuses_what_it_cannot
     let update = frspec().args(["check", "--update-baseline", "--baseline", doctored.to_str().unwrap(), "--current", a.to_str().unwrap()]).output().unwrap();
     assert!(update.status.success());
     let summary = doctored.join("summary.parquet");
-    let mut cells = frspec::store::read_summary(&summary).unwrap();
+    let mut cells = frspec::outputs::store::read_summary(&summary).unwrap();
     let cell = cells.iter_mut().find(|c| c.ratio == 0.5 && c.temperature == 1.0).unwrap();
     cell.length.value += 1.0;
     cell.length.bootstrap.lo += 1.0;
     cell.length.bootstrap.hi += 1.0;
-    frspec::store::write_summary(&summary, &cells).unwrap();
+    frspec::outputs::store::write_summary(&summary, &cells).unwrap();
     let (code, stdout, stderr) = check(&doctored, &b);
     assert_eq!(code, Some(1), "{stdout}{stderr}");
     let flagged: Vec<&str> = stdout.lines().filter(|l| l.contains("REGRESSED")).collect();
@@ -233,7 +233,7 @@ fn a_sweep_on_the_candle_engine_passes_check_against_the_cpu_engines_and_reruns_
     assert_eq!(code, Some(0), "{stdout}{stderr}");
     // At T = 0 the engines agree record for record on this model (the counts; timings differ).
     let counts = |dir: &Path| {
-        let runs = frspec::store::read(&dir.join("runs.parquet")).unwrap();
+        let runs = frspec::outputs::store::read(&dir.join("runs.parquet")).unwrap();
         let t0 = runs.column("temperature").unwrap().f32().unwrap().into_no_null_iter().map(|t| t == 0.0).collect::<Vec<_>>();
         let col = |c: &str| runs.column(c).unwrap().u64().unwrap().into_no_null_iter().collect::<Vec<u64>>();
         let (drafts, accepted, generated) = (col("drafts"), col("accepted"), col("generated"));
@@ -275,7 +275,7 @@ fn plots_and_report_of_a_sweep() {
     ok(f.sweep(&a, &SMALL));
     let out = frspec().args(["plot", a.to_str().unwrap()]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    for name in frspec::plot::CHARTS {
+    for name in frspec::outputs::plot::CHARTS {
         let png = bytes(&a.join("plots"), &format!("{name}.png"));
         assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{name}.png: {} bytes", png.len());
         let svg = String::from_utf8(bytes(&a.join("plots"), &format!("{name}.svg"))).unwrap();
@@ -296,14 +296,14 @@ fn plots_and_report_of_a_sweep() {
 #[test]
 fn the_committed_default_matrix_reads_back_whole() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/sweeps/smollm2-truncated16");
-    let runs = frspec::store::read(&dir.join("runs.parquet")).unwrap();
+    let runs = frspec::outputs::store::read(&dir.join("runs.parquet")).unwrap();
     assert_eq!(runs.height(), 6 * 2 * 3 * 20, "6 ratios × T 0, 1 × 3 repeats × 20 prompts × turn 1");
-    let cells = frspec::store::read_summary(&dir.join("summary.parquet")).unwrap();
+    let cells = frspec::outputs::store::read_summary(&dir.join("summary.parquet")).unwrap();
     assert_eq!(cells.len(), 12);
     assert!(cells.iter().all(|c| c.prompts == 20 && c.repeats == 3 && c.runs == 60 && c.per_position.len() == 4));
-    let timings = frspec::store::read_timing_summary(&dir.join("timing_summary.parquet")).unwrap();
+    let timings = frspec::outputs::store::read_timing_summary(&dir.join("timing_summary.parquet")).unwrap();
     assert_eq!(timings.len(), 12);
-    assert_eq!(frspec::store::read(&dir.join("timings.parquet")).unwrap().height(), runs.height());
+    assert_eq!(frspec::outputs::store::read(&dir.join("timings.parquet")).unwrap().height(), runs.height());
     let manifest: serde_json::Value = serde_json::from_slice(&bytes(&dir, "manifest.json")).unwrap();
     assert_eq!((manifest["settings"]["preset"].as_str(), manifest["units_total"].as_u64()), (Some("smollm2-eagle"), Some(20 + 20 * 3)));
 }

@@ -6,7 +6,7 @@ use frspec::engine::cpu::draft::EagleDraft;
 use frspec::engine::cpu::CpuFeatures;
 use frspec::speculative::{Context, Draft};
 use frspec::synthetic::{self, Shape};
-use frspec::target::Target;
+use frspec::loading::target::Target;
 use frspec::train::{self, Conversation, State, TrainSettings, Trainer};
 
 fn corpus() -> Vec<String> {

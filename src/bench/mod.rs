@@ -1,10 +1,10 @@
 //! Speed measurements, reported as medians over repeated runs (never asserted in tests).
 
-use crate::chat::Message;
+use crate::text::chat::Message;
 use crate::engine::cpu::model::Model;
 use crate::sampling::argmax;
 use crate::speculative::{Draft, DraftHead, HeadRows};
-use crate::target::Target;
+use crate::loading::target::Target;
 use anyhow::Result;
 use serde::Serialize;
 use std::time::Instant;

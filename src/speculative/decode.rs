@@ -6,7 +6,7 @@ use super::draft::{Context, Draft, DraftHead, DraftMode, Proposal};
 use super::generate::StopReason;
 use super::{HeadRows, Positions, TargetModel};
 use crate::sampling::{draw, Sampling};
-use crate::stats::Metric;
+use crate::stats::{Counts, Metric};
 use anyhow::{bail, Result};
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
@@ -65,6 +65,19 @@ impl TurnRecord {
     /// Timings vary from run to run; everything else must not.
     pub fn without_timings(&self) -> TurnRecord {
         TurnRecord { draft_secs: 0.0, target_secs: 0.0, ..self.clone() }
+    }
+}
+
+/// A record's counters as the statistics pool them (the statistics know nothing of decoding).
+impl From<&TurnRecord> for Counts {
+    fn from(r: &TurnRecord) -> Counts {
+        Counts {
+            drafts: r.drafts,
+            draft_tokens: r.draft_tokens,
+            accepted: r.accepted,
+            expected_accepted: r.expected_accepted,
+            accepted_per_pos: r.accepted_per_pos.clone(),
+        }
     }
 }
 

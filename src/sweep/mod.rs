@@ -1,27 +1,20 @@
 //! The sweep's core: every (ratio × temperature × repeat × prompt × turn) of a plan, run with common random
-//! numbers. Output (Parquet), resume and the CLI build on this.
+//! numbers on any engine. It knows nothing of files: `commands::sweep` keeps the folder, resume and the outputs.
 //!
 //! Seeding: each (seed, repeat, prompt, turn) has its own ChaCha20 stream (key from the seed, stream number from
 //! repeat, prompt and turn), shared by every ratio and temperature, so differences between ratios are not noise
 //! from different draws. At T = 0 decoding is deterministic: each (prompt, turn) runs once through the fast path
 //! for every ratio together, and its records stand for every repeat.
 
-use crate::chat::Message;
-use crate::dataset::Question;
+use crate::text::chat::Message;
+use crate::text::dataset::Question;
 use crate::sampling::Sampling;
 use crate::speculative::{greedy_turns, speculative_turn, Draft, DraftHead, DraftMode, SpecConfig, TargetModel, TurnRecord};
-use crate::tokenizer::Tokenizer;
+use crate::text::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
-
-mod execute;
-mod folder;
-mod progress;
-
-pub use execute::{execute, Options, Outcome};
-pub use folder::{FolderMode, Identity};
 
 #[derive(Clone, Debug)]
 pub struct Plan {

@@ -12,12 +12,12 @@
 //! kernels (model.rs) run the trained head. A test checks the two agree.
 
 use crate::engine::candle::llama::{self, attention, attention_after_context, rms_norm, softmax, Rope};
-use crate::chat::Message;
+use crate::text::chat::Message;
 use crate::speculative::generate::StopReason;
 use crate::engine::cpu::model::{Config, Model};
 use crate::sampling::{draw, Sampling};
-use crate::store::write_atomic;
-use crate::target::Target;
+use crate::files::write_atomic;
+use crate::loading::target::Target;
 use crate::vocab::KeepSet;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 mod run;
-pub use run::{train_eagle, TrainOptions};
+pub use run::{train_eagle, TrainOptions, Trained};
 
 /// Instructions wrapped around corpus passages to make chat prompts (the default set, `--templates` replaces it);
 /// they cover writing, explanation, extraction, reasoning, arithmetic and code so the answers resemble what chat

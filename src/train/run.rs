@@ -6,7 +6,7 @@ use super::{
     checkpoint_due, continuations, export, load_teacher, prompts, save_teacher, self_prompts, teacher_data, teacher_forced, Conversation, State, StepLog,
     TrainSettings, Trainer,
 };
-use crate::target::Target;
+use crate::loading::target::Target;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::Write;
@@ -62,7 +62,7 @@ fn read_requests(path: &Path) -> Result<Vec<String>> {
 }
 
 fn write_requests(path: &Path, requests: &[String]) -> Result<()> {
-    crate::store::write_atomic(path, serde_json::to_string_pretty(requests)?.as_bytes())
+    crate::files::write_atomic(path, serde_json::to_string_pretty(requests)?.as_bytes())
 }
 
 /// The requests the target wrote itself, from their file or written now and saved.
@@ -135,7 +135,16 @@ fn take_over(from: &Path, to: &Path, take: Option<usize>, hidden: usize) -> Resu
     }
 }
 
-pub fn train_eagle(o: &TrainOptions) -> Result<()> {
+/// What a finished training run logged, for its curve.
+pub struct Trained {
+    /// Every step of the run, resumed ones included.
+    pub log: Vec<StepLog>,
+    pub title: String,
+    pub classification_weight: f64,
+}
+
+/// Train (or resume) a head; `None` for `--steps 0`, which writes the untrained head and logs no steps.
+pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     let s = &o.settings;
     if s.batch == 0 || o.prompts == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
         bail!("--batch, --prompts, --max-new-tokens and --checkpoint-every must be at least 1");
@@ -171,7 +180,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     // What the teacher data depends on; the rest of the identity is how the head is trained.
     let mut data_identity = serde_json::json!({
         "target": o.target,
-        "target_sha256": crate::manifest::sha256(&target.source)?,
+        "target_sha256": crate::outputs::manifest::sha256(&target.source)?,
         "corpus": files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
         "prompts": o.prompts,
         "max_new_tokens": o.max_new_tokens,
@@ -242,13 +251,13 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
         }
     }
     std::fs::create_dir_all(&o.out).with_context(|| format!("cannot create {}", o.out.display()))?;
-    crate::store::write_atomic(&run_json, serde_json::to_string_pretty(&identity)?.as_bytes())?;
+    crate::files::write_atomic(&run_json, serde_json::to_string_pretty(&identity)?.as_bytes())?;
 
     if s.steps == 0 {
         let trainer = Trainer { target: &target, data: &[], keep: keep.as_ref(), settings: s.clone() };
         export(&o.out, &trainer.start()?, &target.model)?;
         eprintln!("untrained (initial) head written to {}", o.out.display());
-        return Ok(());
+        return Ok(None);
     }
     let hidden = target.model.config.hidden;
     for (from, to, take) in &reuse {
@@ -305,9 +314,8 @@ pub fn train_eagle(o: &TrainOptions) -> Result<()> {
     b.finish();
     drop(log);
     export(&o.out, &state, &target.model)?;
-    let entries: Vec<StepLog> = std::fs::read_to_string(&log_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let log: Vec<StepLog> = std::fs::read_to_string(&log_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let title = format!("EAGLE-1 head for {} · {} conversations · {} steps × {} conversations", o.target, data.len(), s.steps, s.batch);
-    crate::plot::training_curve(&o.out.join("training_curve"), &entries, &title, s.classification_weight)?;
     eprintln!("head written to {} ({} steps, {:.0} s this run)", o.out.display(), state.step, started.elapsed().as_secs_f64());
-    Ok(())
+    Ok(Some(Trained { log, title, classification_weight: s.classification_weight }))
 }

@@ -10,7 +10,7 @@ pub type Weights = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// A fetched asset; a missing one fails the test with the command that fetches it.
 pub fn asset(name: &str) -> PathBuf {
-    frspec::assets::require(name).unwrap_or_else(|e| panic!("{e:#}"))
+    frspec::loading::assets::require(name).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 fn matvec(w: &[f32], rows: usize, x: &[f64]) -> Vec<f64> {

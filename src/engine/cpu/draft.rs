@@ -5,7 +5,7 @@ use super::model::{load_layer, load_linear, Cache, Geometry, Layer, Linear, Mode
 use super::tensor::Matrix;
 use super::CpuFeatures;
 use crate::speculative::{Chooser, Context, Draft, DraftKind, LmHead};
-use crate::weights::WeightSource;
+use crate::loading::weights::WeightSource;
 use anyhow::{anyhow, bail, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -97,7 +97,7 @@ impl TensorFile {
 
     /// EAGLE checkpoints name layers as HF does, without the `model.` prefix.
     fn key(&self, name: &str) -> String {
-        let hf = crate::weights::hf_name(name);
+        let hf = crate::loading::weights::hf_name(name);
         let hf = hf.strip_prefix("model.").map(String::from).unwrap_or(hf);
         match hf.strip_prefix("layers.0.") {
             Some(rest) => format!("{}{rest}", self.layer_prefix),
@@ -453,20 +453,20 @@ pub enum Loaded<'a> {
 }
 
 /// Load the draft `kind` names for `target` (loaded from `target_spec`).
-pub fn load<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::target::Target, target_spec: &str) -> Result<Loaded<'a>> {
+pub fn load<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::loading::target::Target, target_spec: &str) -> Result<Loaded<'a>> {
     let folder = |name: &str| -> Result<PathBuf> {
         let spec = draft.ok_or_else(|| anyhow!("--draft-kind {name} needs --draft"))?;
-        crate::target::resolve(spec)
+        crate::loading::target::resolve(spec)
     };
     Ok(match kind {
         DraftKind::Truncated(n) => {
-            let mut model = crate::target::Target::load(target_spec)?.model;
+            let mut model = crate::loading::target::Target::load(target_spec)?.model;
             model.truncate_layers(*n)?;
             Loaded::Model(ModelDraft::new(model, format!("first {n} layers of the target")))
         }
         DraftKind::Model => {
             let spec = draft.ok_or_else(|| anyhow!("--draft-kind model needs --draft"))?;
-            let d = crate::target::Target::load(spec)?;
+            let d = crate::loading::target::Target::load(spec)?;
             if d.tokenizer.vocab_hash() != target.tokenizer.vocab_hash() {
                 bail!("draft model {spec} does not share the target's tokenizer (vocabularies differ)");
             }
@@ -491,6 +491,6 @@ impl<'a> Loaded<'a> {
 }
 
 /// Build the draft for `target` (loaded from `target_spec`) on the CPU engine.
-pub fn build<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::target::Target, target_spec: &str) -> Result<Box<dyn Draft<Model> + 'a>> {
+pub fn build<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::loading::target::Target, target_spec: &str) -> Result<Box<dyn Draft<Model> + 'a>> {
     Ok(load(kind, draft, target, target_spec)?.boxed())
 }

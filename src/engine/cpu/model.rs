@@ -7,7 +7,7 @@
 //! tokens reproduces k+1 single-token steps bit for bit (tested).
 
 use crate::engine::cpu::tensor::{dot, Matrix, MatmulScratch};
-use crate::weights::{Gguf, Safetensors, WeightSource};
+use crate::loading::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use std::path::Path;

@@ -5,8 +5,8 @@
 //! write the equivalent `tokenizer.json` document and load it with the tokenizers crate, so both sources share
 //! one implementation.
 
-use crate::chat::ChatTemplate;
-use crate::weights::Gguf;
+use crate::text::chat::ChatTemplate;
+use crate::loading::weights::Gguf;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::path::Path;
@@ -195,7 +195,7 @@ fn read_json_if_present(path: &Path) -> Result<Option<Value>> {
 
 impl Tokenizer {
     /// The token ids of a chat rendered with the model's template, ending where the assistant's reply starts.
-    pub fn chat_prompt(&self, messages: &[crate::chat::Message]) -> Result<Vec<u32>> {
+    pub fn chat_prompt(&self, messages: &[crate::text::chat::Message]) -> Result<Vec<u32>> {
         self.encode(&self.template()?.render(messages, true)?)
     }
 
@@ -207,21 +207,8 @@ impl Tokenizer {
     /// prompt, if any): what an instruct model continues with a request of the kind it was tuned on (Magpie).
     pub fn user_turn_prefix(&self) -> Result<Vec<u32>> {
         const MARK: &str = "\u{1}frspec-user-message\u{1}";
-        let text = self.template()?.render(&[crate::chat::Message::new("user", MARK)], false)?;
+        let text = self.template()?.render(&[crate::text::chat::Message::new("user", MARK)], false)?;
         let cut = text.find(MARK).ok_or_else(|| anyhow!("the chat template does not show the user's message as written"))?;
         self.encode(&text[..cut])
-    }
-}
-
-impl Tokenizer {
-    /// A tokenizer on its own: a named asset, a `.gguf`, a `tokenizer.json` or its folder, or a model spec that
-    /// `target::resolve` understands (hub repo ids included).
-    pub fn load(spec: &str) -> Result<Tokenizer> {
-        let path = crate::target::resolve(spec)?;
-        if path.extension().is_some_and(|e| e == "gguf") {
-            return Tokenizer::from_gguf(&Gguf::open(&path)?);
-        }
-        let dir = if path.is_dir() { path.clone() } else { path.parent().unwrap_or(Path::new(".")).to_path_buf() };
-        Tokenizer::from_hf_dir(&dir)
     }
 }

@@ -3,9 +3,9 @@
 //! two confidence intervals allow. Inputs that cannot be compared (other settings, other input files, missing
 //! cells, unreadable files) are an error of their own, distinct from a regression.
 
-use crate::manifest::Manifest;
+use crate::outputs::manifest::Manifest;
 use crate::stats::Estimate;
-use crate::store;
+use crate::outputs::store;
 use crate::summary::CellSummary;
 use anyhow::{anyhow, bail, Context, Result};
 use std::fmt::Write;
@@ -170,7 +170,7 @@ pub fn update_baseline(baseline: &Path, current: &Path) -> Result<()> {
     std::fs::create_dir_all(baseline).with_context(|| format!("cannot create {}", baseline.display()))?;
     for file in [store::SUMMARY, Manifest::FILE] {
         let bytes = std::fs::read(current.join(file)).with_context(|| format!("cannot read {}", current.join(file).display()))?;
-        store::write_atomic(&baseline.join(file), &bytes)?;
+        crate::files::write_atomic(&baseline.join(file), &bytes)?;
     }
     Ok(())
 }

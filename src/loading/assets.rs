@@ -34,8 +34,8 @@ const EMBEDDED: &[Embedded] = &[(
     "smollm2-eagle1",
     "heads/smollm2-135m-eagle1",
     &[
-        ("config.json", include_bytes!("../heads/smollm2-135m-eagle1/config.json")),
-        ("model.safetensors", include_bytes!("../heads/smollm2-135m-eagle1/model.safetensors")),
+        ("config.json", include_bytes!("../../heads/smollm2-135m-eagle1/config.json")),
+        ("model.safetensors", include_bytes!("../../heads/smollm2-135m-eagle1/model.safetensors")),
     ],
 )];
 

@@ -1,11 +1,11 @@
 //! A target model with its tokenizer, resolved from a name: a named offline asset (`smollm2`), a local
 //! `.gguf` / `.safetensors` file or model folder, or a hub repo id (`org/name[@revision]`).
 
-use crate::assets;
-use crate::hub::{Hub, RepoId, RepoKind};
+use crate::loading::assets;
+use crate::loading::hub::{Hub, RepoId, RepoKind};
 use crate::engine::cpu::model::Model;
-use crate::tokenizer::Tokenizer;
-use crate::weights::Gguf;
+use crate::text::tokenizer::Tokenizer;
+use crate::loading::weights::Gguf;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -23,12 +23,7 @@ impl Target {
     pub fn load(spec: &str) -> Result<Target> {
         let path = resolve(spec)?;
         let model = Model::load(&path)?;
-        let tokenizer = if path.extension().is_some_and(|e| e == "gguf") {
-            Tokenizer::from_gguf(&Gguf::open(&path)?)?
-        } else {
-            let dir = if path.is_dir() { path.clone() } else { path.parent().unwrap_or(Path::new(".")).to_path_buf() };
-            Tokenizer::from_hf_dir(&dir)?
-        };
+        let tokenizer = tokenizer_at(&path)?;
         if tokenizer.vocab_size > model.config.vocab {
             bail!(
                 "{}: the tokenizer has {} tokens but the model only {} embedding rows",
@@ -39,6 +34,21 @@ impl Target {
         }
         Ok(Target { model, tokenizer, source: path })
     }
+}
+
+/// A tokenizer on its own: a named asset, a `.gguf`, a `tokenizer.json` or its folder, or a model spec that
+/// `resolve` understands (hub repo ids included).
+pub fn load_tokenizer(spec: &str) -> Result<Tokenizer> {
+    tokenizer_at(&resolve(spec)?)
+}
+
+/// The tokenizer stored with the weights at `path`: inside a `.gguf`, or beside them (tokenizer.json).
+fn tokenizer_at(path: &Path) -> Result<Tokenizer> {
+    if path.extension().is_some_and(|e| e == "gguf") {
+        return Tokenizer::from_gguf(&Gguf::open(path)?);
+    }
+    let dir = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+    Tokenizer::from_hf_dir(dir)
 }
 
 /// The local file or folder holding the model named by `spec`; hub repos are downloaded first.

@@ -15,19 +15,12 @@ pub const SUMMARY: &str = "summary.parquet";
 pub const TIMINGS: &str = "timings.parquet";
 pub const TIMING_SUMMARY: &str = "timing_summary.parquet";
 
-/// Write `bytes` to `path` through a temporary file in the same folder and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("partial");
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot move {} into place", path.display()))
-}
-
 fn write_frame(path: &Path, columns: Vec<Column>) -> Result<()> {
     let height = columns.first().map_or(0, |c| c.len());
     let mut df = DataFrame::new(height, columns)?;
     let mut bytes = Vec::new();
     ParquetWriter::new(&mut bytes).finish(&mut df).with_context(|| format!("cannot encode {}", path.display()))?;
-    write_atomic(path, &bytes)
+    crate::files::write_atomic(path, &bytes)
 }
 
 /// A Parquet file as a DataFrame, or one error naming the file.

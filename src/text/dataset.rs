@@ -1,8 +1,8 @@
 //! Prompt datasets: JSON-lines files in FastChat / Spec-Bench form (`turns`) or HuggingFaceH4 form (`prompt`),
 //! from a named asset (`mt-bench`), a local file, or a hub dataset repo (`org/name[@rev][:file]`).
 
-use crate::assets;
-use crate::hub::{Hub, RepoId, RepoKind};
+use crate::loading::assets;
+use crate::loading::hub::{Hub, RepoId, RepoKind};
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 

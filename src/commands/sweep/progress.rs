@@ -1,7 +1,7 @@
 //! Progress of a sweep: two indicatif bars on a terminal (units with ETA; turns of the running unit with tokens/s),
 //! one plain line per finished unit otherwise or with `--quiet`.
 
-use super::Run;
+use crate::sweep::Run;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::time::Instant;

@@ -2,9 +2,10 @@
 //! identity (settings and the digests of the files it read); `--resume` picks up the finished units, and a folder
 //! made by another sweep is refused unless `--overwrite` says to replace it.
 
-use super::{Run, UnitKey};
-use crate::manifest::FileDigest;
-use crate::store::{self, write_atomic};
+use crate::sweep::{Run, UnitKey};
+use crate::outputs::manifest::FileDigest;
+use crate::files::write_atomic;
+use crate::outputs::store;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -62,7 +63,7 @@ pub struct Folder {
 const UNITS: &str = "units";
 const IDENTITY: &str = "sweep.json";
 /// Everything a sweep writes into its folder; `--overwrite` removes exactly these.
-const OWN: [&str; 6] = [UNITS, store::RUNS, store::SUMMARY, store::TIMINGS, store::TIMING_SUMMARY, crate::manifest::Manifest::FILE];
+const OWN: [&str; 6] = [UNITS, store::RUNS, store::SUMMARY, store::TIMINGS, store::TIMING_SUMMARY, crate::outputs::manifest::Manifest::FILE];
 
 impl Folder {
     /// Open `dir` for the sweep `identity`; returns the folder and the units already finished in it.

@@ -1,20 +1,25 @@
-//! A sweep from settings to files: check and load everything first (bad input leaves no folder behind), run the
-//! units the folder lacks, then assemble runs.parquet, summary.parquet, the timing tables and manifest.json from
-//! the journal.
+//! `frspec sweep`, from settings to files: check and load everything first (bad input leaves no folder behind),
+//! choose the engine, run the units the folder lacks (`crate::sweep`), then assemble runs.parquet, summary.parquet,
+//! the timing tables and manifest.json from the folder's journal.
 
-use super::folder::{Folder, FolderMode, Identity};
-use super::progress::Progress;
-use super::{Engine, Observer, Plan, Run, UnitKey};
-use crate::dataset::{self, Question};
+mod folder;
+mod progress;
+
+pub use folder::{FolderMode, Identity};
+
+use crate::sweep::{Engine, Observer, Plan, Run, UnitKey};
+use folder::Folder;
+use progress::Progress;
+use crate::text::dataset::{self, Question};
 use crate::engine::candle::draft::DraftWeights;
 use crate::engine::{candle, cpu, EngineKind};
-use crate::manifest::{self, FileDigest, Hardware, Manifest};
+use crate::outputs::manifest::{self, FileDigest, Hardware, Manifest};
 use crate::spec::{Pruning, Settings};
 use crate::speculative::{Draft, DraftHead, DraftKind, HeadMode, Row};
-use crate::store;
+use crate::outputs::store;
 use crate::summary::{self, CellSummary, CellTiming};
-use crate::target::Target;
-use crate::tokenizer::Tokenizer;
+use crate::loading::target::Target;
+use crate::text::tokenizer::Tokenizer;
 use crate::vocab::{Frequencies, KeepRule, KeepSet};
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
@@ -218,7 +223,7 @@ impl Sweep<'_> {
         let mut files = BTreeMap::new();
         digest("model", &self.target.source, &mut files)?;
         if let (Some(spec), false) = (&settings.draft, matches!(settings.draft_kind, DraftKind::Truncated(_))) {
-            digest("draft", &crate::target::resolve(spec)?, &mut files)?;
+            digest("draft", &crate::loading::target::resolve(spec)?, &mut files)?;
         }
         if let Some(p) = self.freq_path {
             digest("freq", p, &mut files)?;
@@ -233,7 +238,7 @@ impl Sweep<'_> {
         let mut observe = Observe { folder: &folder, progress: Progress::new(options.quiet, all_units.len(), done.len()), plan, questions, started: Instant::now() };
         let tokenizer: &Tokenizer = &self.target.tokenizer;
         let mut engine = Engine { target: engine, tokenizer, drafts: &mut drafts, heads: &heads };
-        super::run(&mut engine, questions, plan, &pending, &mut observe)?;
+        crate::sweep::run(&mut engine, questions, plan, &pending, &mut observe)?;
         observe.progress.finish();
 
         let mut runs = folder.runs(&all_units)?;
@@ -265,7 +270,7 @@ impl Sweep<'_> {
             units_total: all_units.len(),
             finished_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         };
-        store::write_atomic(&out.join(Manifest::FILE), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
+        crate::files::write_atomic(&out.join(Manifest::FILE), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
         Ok(Outcome { summary, timings, units_run: pending.len(), units_resumed: done.len() })
     }
 }

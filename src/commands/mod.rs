@@ -1,0 +1,4 @@
+//! What the subcommands do beyond parsing their flags: each reads its inputs, runs the library's pieces and writes
+//! its outputs. `main.rs` parses and dispatches here.
+
+pub mod sweep;
