@@ -72,10 +72,6 @@ pub struct SpecArgs {
 }
 
 impl SpecArgs {
-    pub fn enabled(&self) -> bool {
-        self.draft.is_some() || self.draft_kind.is_some()
-    }
-
     pub fn keep_rule(&self) -> Option<KeepRule> {
         match (self.ratio, self.keep, self.mass) {
             (Some(r), _, _) => Some(KeepRule::Ratio(r)),

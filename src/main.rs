@@ -1,15 +1,14 @@
+//! Parse the command line and dispatch to `frspec::commands` and the library; what each command prints stays here.
+
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use frspec::text::chat::Message;
-use frspec::speculative::decode::{speculative_turn, SpecConfig};
-use frspec::speculative::{DraftHead, DraftKind};
-use frspec::sampling::Sampling;
 use frspec::commands::sweep::FolderMode;
-use frspec::vocab::{CorpusFormat, Frequencies, KeepRule};
+use frspec::commands::{freq, generate, score};
 use frspec::loading::target::Target;
-use rand::SeedableRng;
-use rand_chacha::ChaCha20Rng;
-use std::path::PathBuf;
+use frspec::sampling::Sampling;
+use frspec::speculative::DraftKind;
+use frspec::text::chat::Message;
+use frspec::vocab::{Frequencies, KeepRule};
 
 mod cli;
 use cli::{BenchCommand, Cli, Command, FreqCommand};
@@ -32,75 +31,27 @@ fn run(cli: Cli) -> Result<()> {
                 rule.validate()?;
             }
             let target = model.load()?;
-            let mut messages: Vec<Message> = system.iter().map(|s| Message::new("system", s)).collect();
-            messages.push(Message::new("user", &prompt));
-            let ids = target.tokenizer.chat_prompt(&messages)?;
-            let mut rng = ChaCha20Rng::seed_from_u64(seed);
-            let (tokens, summary) = if spec.enabled() {
-                let kind = match (&spec.draft_kind, &spec.draft) {
-                    (Some(k), _) => k.clone(),
-                    (None, Some(_)) => DraftKind::Eagle,
-                    (None, None) => unreachable!("enabled() checked"),
-                };
-                let keep = spec.keep_set(&target)?;
-                let mut draft = frspec::engine::cpu::draft::build(&kind, spec.draft.as_deref(), &target, &model.model)?;
-                let head = DraftHead::new(draft.lm_head(), keep, spec.head)?;
-                let kept = head.kept();
-                let cfg = SpecConfig { k: spec.k, mode: spec.draft_mode, sampling, max_new_tokens };
-                let (tokens, r) = speculative_turn(&target.model, &target.tokenizer.stop_ids, draft.as_mut(), &head, &ids, &cfg, &mut rng)?;
-                let summary = format!(
-                    "draft: {}, head keeps {kept} of {} ids\nmean acceptance length {:.3}, acceptance rate {:.1}% \
-                     ({} accepted of {} draft tokens in {} steps); draft {:.2}s, target {:.2}s",
-                    draft.describe(),
-                    target.model.config.vocab,
-                    r.mean_acceptance_length(),
-                    r.acceptance_rate(),
-                    r.accepted,
-                    r.draft_tokens,
-                    r.drafts,
-                    r.draft_secs,
-                    r.target_secs
-                );
-                (tokens, summary)
-            } else {
-                let g = frspec::speculative::generate::generate(&target.model, &target.tokenizer.stop_ids, &ids, max_new_tokens, sampling, &mut rng)?;
-                let summary = format!(
-                    "prompt {} tokens, {:.1} tokens/s prefill; generated {} tokens, {:.1} tokens/s; stop: {:?}",
-                    g.prompt_tokens,
-                    g.prompt_tokens as f64 / g.prefill_secs,
-                    g.tokens.len(),
-                    g.tokens.len() as f64 / g.decode_secs.max(1e-9),
-                    g.stop
-                );
-                (g.tokens, summary)
+            let speculative = match (&spec.draft_kind, &spec.draft) {
+                (None, None) => None,
+                (kind, draft) => Some(generate::Speculative {
+                    kind: kind.clone().unwrap_or(DraftKind::Eagle),
+                    draft: draft.as_deref(),
+                    keep: spec.keep_set(&target)?,
+                    head: spec.head,
+                    k: spec.k,
+                    mode: spec.draft_mode,
+                }),
             };
-            let shown: Vec<u32> = tokens.iter().copied().filter(|t| !target.tokenizer.is_stop(*t)).collect();
-            println!("{}", target.tokenizer.decode(&shown)?);
-            eprintln!("{summary}");
+            let request = generate::Request { prompt: &prompt, system: system.as_deref(), max_new_tokens, sampling, seed, speculative };
+            generate::run(&target, &model.model, &request)?;
         }
         Command::Score { model, text_file, tokens_file, json, logits_out } => {
-            let target = model.load()?;
-            let tokens = match (&text_file, &tokens_file) {
-                (Some(f), _) => {
-                    let text = std::fs::read_to_string(f).with_context(|| format!("cannot read text file {}", f.display()))?;
-                    target.tokenizer.encode(&text)?
-                }
-                (None, Some(f)) => read_token_file(f)?,
+            let input = match (&text_file, &tokens_file) {
+                (Some(f), _) => score::Input::Text(f),
+                (None, Some(f)) => score::Input::Tokens(f),
                 (None, None) => unreachable!("clap requires one of them"),
             };
-            let score = frspec::score::score(&target.model, &tokens)?;
-            if let Some(path) = &logits_out {
-                write_npy(path, &score.logits, &[tokens.len() as u64, target.model.config.vocab as u64])?;
-            }
-            if json {
-                println!("{}", serde_json::to_string(&score)?);
-            } else {
-                println!("{:>5} {:>8} {:>10} {:>8}", "pos", "next", "logprob", "top1");
-                for p in &score.positions {
-                    println!("{:>5} {:>8} {:>10.4} {:>8}", p.pos, p.next_token, p.logprob, p.top1);
-                }
-                println!("perplexity {:.4} over {} positions", score.perplexity, score.positions.len());
-            }
+            score::run(&model.load()?, input, json, logits_out.as_deref())?;
         }
         Command::Sweep { spec, config, speculative_config, out, resume, overwrite, quiet } => {
             let file = config.as_deref().map(frspec::spec::SweepSpec::from_toml_file).transpose()?;
@@ -163,7 +114,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plot { dir } => {
             let result = frspec::outputs::check::SweepResult::load(&dir)?;
             let timings = result.timings()?;
-            let labels = frspec::outputs::plot::Labels { title: sweep_title(&result.manifest) };
+            let labels = frspec::outputs::plot::Labels { title: frspec::outputs::report::title(&result.manifest) };
             for file in frspec::outputs::plot::write(&dir.join("plots"), &result.cells, &timings, &labels)? {
                 println!("{}", file.display());
             }
@@ -173,7 +124,7 @@ fn run(cli: Cli) -> Result<()> {
             let timings = result.timings()?;
             let text = format!(
                 "{}\n\nValues with 95% bootstrap intervals over prompts; Δ rows are paired differences.\n\n{}",
-                sweep_title(&result.manifest),
+                frspec::outputs::report::title(&result.manifest),
                 frspec::outputs::report::table(&result.cells, &timings, true)
             );
             match out {
@@ -394,31 +345,9 @@ fn run(cli: Cli) -> Result<()> {
                 b.ratios.len(), b.prompts, b.independent_secs, b.fast_path_secs, b.independent_secs / b.fast_path_secs, b.counts_agree
             );
         }
-        Command::Freq(FreqCommand::Build { tokenizer, corpus, format, out }) => freq_build(&tokenizer, &corpus, format, &out)?,
+        Command::Freq(FreqCommand::Build { tokenizer, corpus, format, out }) => freq::build(&tokenizer, &corpus, format, &out)?,
         Command::Freq(FreqCommand::FromOutputs { model, dataset, num_prompts, max_new_tokens, out }) => {
-            let mut questions = frspec::text::dataset::load(&dataset)?;
-            if let Some(n) = num_prompts {
-                if n == 0 {
-                    bail!("--num-prompts must be at least 1");
-                }
-                questions.truncate(n);
-            }
-            let target = model.load()?;
-            let vocab = target.model.config.vocab;
-            let mut counts = vec![0u64; vocab];
-            let bar = indicatif::ProgressBar::new(questions.len() as u64);
-            let mut rng = ChaCha20Rng::seed_from_u64(0);
-            for q in &questions {
-                let prompt = target.tokenizer.chat_prompt(&[Message::new("user", &q.turns[0])])?;
-                let g = frspec::speculative::generate::generate(&target.model, &target.tokenizer.stop_ids, &prompt, max_new_tokens, Sampling::GREEDY, &mut rng)?;
-                g.tokens.iter().for_each(|&t| counts[t as usize] += 1);
-                bar.inc(1);
-            }
-            bar.finish();
-            let corpus = format!("greedy outputs of {} on {dataset} ({} first turns, ≤ {max_new_tokens} tokens)", model.model, questions.len());
-            let freq = Frequencies::counted(&counts, &model.model, target.tokenizer.vocab_hash(), corpus, &out);
-            freq.save(&out)?;
-            eprintln!("{} generated tokens → {}", freq.metadata["tokens"], out.display());
+            freq::from_outputs(&model.load()?, &model.model, &dataset, num_prompts, max_new_tokens, &out)?
         }
         Command::Freq(FreqCommand::Show { file, ratios, vocab }) => {
             let f = Frequencies::load(&file)?;
@@ -439,57 +368,5 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
     }
-    Ok(())
-}
-
-/// One line naming what a sweep measured, from its manifest.
-fn sweep_title(manifest: &serde_json::Value) -> String {
-    let s = &manifest["settings"];
-    let text = |key: &str| s[key].as_str().unwrap_or("-").to_string();
-    let draft = match s["draft"].as_str() {
-        Some(d) => format!("{} {d}", text("draft_kind")),
-        None => text("draft_kind"),
-    };
-    format!("{} · draft {draft} · freq {} · {} · k = {}", text("model"), text("freq"), text("dataset"), s["k"])
-}
-
-fn freq_build(tokenizer: &str, corpus: &[PathBuf], format: CorpusFormat, out: &std::path::Path) -> Result<()> {
-    let tok = frspec::loading::target::load_tokenizer(tokenizer)?;
-    let files = frspec::vocab::corpus_files(corpus)?;
-    let bar = indicatif::ProgressBar::new(files.len() as u64).with_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} files, {msg} tokens, {elapsed} (ETA {eta})")?,
-    );
-    let mut counts = vec![0u64; tok.vocab_size];
-    for f in &files {
-        let lines = frspec::vocab::corpus_lines(f, format)?;
-        let c = frspec::vocab::count_tokens(&tok, &lines, tok.vocab_size)?;
-        counts.iter_mut().zip(c).for_each(|(a, b)| *a += b);
-        bar.set_message(counts.iter().sum::<u64>().to_string());
-        bar.inc(1);
-    }
-    bar.finish();
-    let total: u64 = counts.iter().sum();
-    if total == 0 {
-        bail!("the corpus ({} files) holds no tokens", files.len());
-    }
-    let names = corpus.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(" ");
-    let mut freq = Frequencies::counted(&counts, tokenizer, tok.vocab_hash(), names, out);
-    freq.metadata.insert("corpus_files".into(), files.len().to_string());
-    freq.save(out)?;
-    eprintln!("{} tokens, {} distinct ids → {}", total, freq.metadata["distinct_ids"], out.display());
-    Ok(())
-}
-
-fn read_token_file(path: &std::path::Path) -> Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read tokens file {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of token ids", path.display()))
-}
-
-fn write_npy(path: &std::path::Path, values: &[f32], shape: &[u64]) -> Result<()> {
-    let file = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    use npyz::WriterBuilder;
-    let mut w = npyz::WriteOptions::<f32>::new().default_dtype().shape(shape).writer(std::io::BufWriter::new(file)).begin_nd()?;
-    w.extend(values.iter().copied())?;
-    w.finish()?;
     Ok(())
 }

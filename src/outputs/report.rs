@@ -61,3 +61,14 @@ pub fn table(cells: &[CellSummary], timings: &[CellTiming], markdown: bool) -> S
     }
     out
 }
+
+/// One line naming what a sweep measured, from its manifest.
+pub fn title(manifest: &serde_json::Value) -> String {
+    let s = &manifest["settings"];
+    let text = |key: &str| s[key].as_str().unwrap_or("-").to_string();
+    let draft = match s["draft"].as_str() {
+        Some(d) => format!("{} {d}", text("draft_kind")),
+        None => text("draft_kind"),
+    };
+    format!("{} · draft {draft} · freq {} · {} · k = {}", text("model"), text("freq"), text("dataset"), s["k"])
+}
