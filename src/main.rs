@@ -3,11 +3,9 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use frspec::commands::sweep::FolderMode;
-use frspec::commands::{freq, generate, score};
-use frspec::loading::target::Target;
+use frspec::commands::{bench, freq, generate, score};
 use frspec::sampling::Sampling;
 use frspec::speculative::DraftKind;
-use frspec::text::chat::Message;
 use frspec::vocab::{Frequencies, KeepRule};
 
 mod cli;
@@ -182,168 +180,38 @@ fn run(cli: Cli) -> Result<()> {
             compare_engine,
             json,
         }) => {
-            if runs == 0 || new_tokens == 0 || block == 0 || k == 0 || sequences == 0 {
-                bail!("--runs, --new-tokens, --block, --sequences and --k must be at least 1");
-            }
-            if model.device == "cpu" && dtype == "f32" && shape.is_none() && !candle {
-                let target = model.load()?;
-                let b = frspec::bench::decode(&target, &prompt, new_tokens, runs, block, sequences)?;
-                if json {
-                    println!("{}", serde_json::to_string_pretty(&b)?);
-                } else {
-                    println!("model {} ({} threads, median of {} runs)", target.source.display(), b.threads, b.runs);
-                    println!("decode  {:>8.1} tokens/s  ({} new tokens)", b.decode_tok_s, b.new_tokens);
-                    println!("prefill {:>8.1} tokens/s  ({} prompt tokens)", b.prefill_tok_s, b.prompt_tokens);
-                    println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
-                    println!("decode  {:>8.1} tokens/s  ({} sequences together, {:.2}× one alone)", b.batched_decode_tok_s, b.sequences, b.batched_decode_tok_s / b.decode_tok_s);
-                }
-                return Ok(());
-            }
-            if lengths.iter().any(|l| !(*l >= 1.0)) {
-                bail!("--lengths: every mean acceptance length is at least 1");
-            }
-            let device = frspec::engine::candle::device(&model.device)?;
-            let dt = frspec::engine::candle::dtype(&dtype)?;
-            let (llama, engine, tokens, weights) = match &shape {
-                Some(name) => {
-                    if compare_engine {
-                        bail!("--compare-engine needs --model (random weights exist on the device only)");
-                    }
-                    let shape = frspec::engine::candle::llama::named_shape(name)?;
-                    let tokens = frspec::bench::device::synthetic_prompt(prompt_tokens, shape.vocab);
-                    (frspec::engine::candle::llama::Llama::random(&shape, &device, dt)?, None, tokens, "random".to_string())
-                }
-                None => {
-                    let target = Target::load(&model.model)?;
-                    let tokens = target.tokenizer.chat_prompt(&[Message::new("user", &prompt)])?;
-                    let llama = frspec::engine::candle::llama::Llama::from_engine(&target.model, &device, dt)?;
-                    (llama, compare_engine.then_some(target.model), tokens, target.source.display().to_string())
-                }
+            let request = bench::Decode {
+                model: &model.model,
+                device: &model.device,
+                prompt: &prompt,
+                new_tokens,
+                runs,
+                block,
+                sequences,
+                shape: shape.as_deref(),
+                dtype: &dtype,
+                candle,
+                prompt_tokens,
+                k,
+                ratios: &ratios,
+                lengths: &lengths,
+                compare_engine,
+                json,
             };
-            if tokens.len() < 2 {
-                bail!("the prompt must have at least 2 tokens (the draft pairs each with the next)");
-            }
-            let settings = frspec::bench::device::DecodeSettings { device: &model.device, prompt: &tokens, new_tokens, runs, k, ratios: &ratios, acceptance_lengths: &lengths };
-            let b = frspec::bench::device::decode(&llama, &weights, &settings, engine.as_ref())?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&b)?);
-            } else {
-                println!("{} on {} in {} ({} weights; median of {} runs)", frspec::bench::device::describe(&llama.config), b.device, b.dtype, b.weights, b.runs);
-                println!(
-                    "decode  {:>9.1} tokens/s  ({} new tokens after {}); weights streamed at {:.1} GB/s = {:.1}% of the measured {:.1} GB/s",
-                    b.decode_tok_s,
-                    b.new_tokens,
-                    b.prompt_tokens,
-                    b.decode_bytes_per_sec / 1e9,
-                    100.0 * b.bandwidth_share,
-                    b.device_bytes_per_sec / 1e9
-                );
-                println!("prefill {:>9.1} tokens/s", b.prefill_tok_s);
-                println!("verify  {:>9.3} ms for {} tokens (one-token step {:.3} ms)", 1e3 * b.verify_secs, k + 1, 1e3 * b.decode_step_secs);
-                let header: Vec<String> = lengths.iter().map(|l| format!("tok/s@{l}")).collect();
-                println!(
-                    "{:>6} {:>8} {:>10} {:>10} {:>11} {:>11} {}",
-                    "ratio",
-                    "kept",
-                    "draft ms",
-                    "step ms",
-                    "loop tok/s",
-                    "break-even",
-                    header.iter().map(|h| format!("{h:>11}")).collect::<String>()
-                );
-                for d in &b.drafts {
-                    let projected: String = d.projected_tok_s.iter().map(|t| format!("{t:>11.1}")).collect();
-                    let (draft_ms, step_ms) = (1e3 * d.draft_step_secs, 1e3 * d.speculative_step_secs);
-                    println!("{:>6} {:>8} {draft_ms:>10.3} {step_ms:>10.3} {:>11.1} {:>11.2} {projected}", d.ratio, d.kept, d.loop_tok_s, d.break_even_length);
-                }
-                if let Some(a) = &b.agreement {
-                    match a.first_difference {
-                        None => println!("greedy tokens: {} of {} identical to the CPU engine's", a.device.len(), a.engine.len()),
-                        Some(i) => println!("greedy tokens: differ from the CPU engine's at position {i} of {}", a.engine.len()),
-                    }
-                }
-            }
-            if b.agreement.as_ref().is_some_and(|a| a.first_difference.is_some()) {
+            if !bench::decode(&request)? {
                 std::process::exit(1);
             }
         }
         Command::Bench(BenchCommand::Head { hidden, vocab, batch, ratios, dtype, device, out }) => {
-            if hidden == 0 || vocab == 0 || batch.is_empty() || batch.contains(&0) {
-                bail!("--hidden, --vocab and every --batch must be at least 1");
-            }
-            // `ran_on` ends the plot's title: where and through what the products ran.
-            let (roof, points, ran_on) = if device == "cpu" {
-                if hidden % 32 != 0 {
-                    bail!("--hidden must be a multiple of 32 (the CPU kernels' block size), got {hidden}");
-                }
-                let roof = frspec::bench::roofline()?;
-                let threads = frspec::engine::cpu::tensor::pool().current_num_threads();
-                (roof, frspec::bench::head(hidden, vocab, &batch, &ratios, &dtype, roof)?, format!("{threads} threads, frspec kernel"))
-            } else {
-                let (dev, dt) = (frspec::engine::candle::device(&device)?, frspec::engine::candle::dtype(&dtype)?);
-                let roof = frspec::bench::device::roofline(&dev, dt)?;
-                (roof, frspec::bench::device::head(hidden, vocab, &batch, &ratios, &dev, dt, roof)?, format!("{device}, candle matmul"))
-            };
-            println!(
-                "H = {hidden}, V = {vocab}, {dtype} weights on {device}; roofline there: {:.1} GB/s, {:.1} GFLOP/s",
-                roof.bytes_per_sec / 1e9,
-                roof.flops_per_sec / 1e9
-            );
-            println!("{:>6} {:>8} {:>6} {:>12} {:>10} {:>10} {:>10} {:>9}", "ratio", "kept", "batch", "median ms", "GB/s", "GFLOP/s", "FLOP/B", "roofline");
-            for p in &points {
-                println!(
-                    "{:>6} {:>8} {:>6} {:>12.4} {:>10.2} {:>10.2} {:>10.2} {:>8.1}%",
-                    p.ratio, p.kept, p.batch, 1e3 * p.median_secs, p.bytes_per_sec / 1e9, p.flops_per_sec / 1e9, p.intensity, 100.0 * p.roofline_share
-                );
-            }
-            if let Some(dir) = out {
-                std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-                frspec::outputs::store::write_head_bench(&dir.join("head.parquet"), &points)?;
-                let title = format!("H = {hidden}, V = {vocab}, {dtype} weights, {ran_on}");
-                frspec::outputs::plot::head_latency(&dir.join("head_latency"), &points, &title)?;
-            }
+            bench::head(&bench::Head { hidden, vocab, batch: &batch, ratios: &ratios, dtype: &dtype, device: &device, out: out.as_deref() })?
         }
         Command::Bench(BenchCommand::Draft { model, draft, draft_kind, freq, ratios, k, reps, json }) => {
-            if k == 0 || reps == 0 {
-                bail!("--k and --reps must be at least 1");
-            }
-            let target = model.load()?;
-            let freqs = Frequencies::open(&freq)?;
-            let mut d = frspec::engine::cpu::draft::build(&draft_kind, draft.as_deref(), &target, &model.model)?;
-            let rows = frspec::bench::draft_heads(&target, d.as_mut(), &freqs, &ratios, k, reps, "What is the capital of France?")?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
-            } else {
-                let full = &rows[0];
-                println!("draft: {} (k = {k}, median of {reps})", d.describe());
-                println!("{:>6} {:>6} {:>8} {:>7} {:>11} {:>12} {:>15} {:>12}", "ratio", "head", "kept", "kept %", "head ms", "head ÷ full", "draft step ms", "step ÷ full");
-                for r in &rows {
-                    println!(
-                        "{:>6} {:>6} {:>8} {:>6.1}% {:>11.3} {:>12.3} {:>15.3} {:>12.3}",
-                        r.ratio, r.head, r.kept, 100.0 * r.kept as f64 / target.model.config.vocab as f64,
-                        1e3 * r.head_secs, r.head_secs / full.head_secs, 1e3 * r.draft_step_secs, r.draft_step_secs / full.draft_step_secs
-                    );
-                }
-            }
+            let d = bench::Drafting { target_spec: &model.model, kind: &draft_kind, draft: draft.as_deref(), freq: &freq, ratios: &ratios, k };
+            bench::draft(|| model.load(), &d, reps, json)?
         }
         Command::Bench(BenchCommand::FastPath { model, draft, draft_kind, freq, ratios, dataset, num_prompts, k, max_new_tokens }) => {
-            if k == 0 || num_prompts == 0 || max_new_tokens == 0 {
-                bail!("--k, --num-prompts and --max-new-tokens must be at least 1");
-            }
-            let target = model.load()?;
-            let freqs = Frequencies::open(&freq)?;
-            let questions = frspec::text::dataset::load(&dataset)?;
-            let prompts = questions
-                .iter()
-                .take(num_prompts)
-                .map(|q| target.tokenizer.chat_prompt(&[Message::new("user", &q.turns[0])]))
-                .collect::<Result<Vec<_>>>()?;
-            let mut make = || frspec::engine::cpu::draft::build(&draft_kind, draft.as_deref(), &target, &model.model);
-            let b = frspec::bench::fast_path(&target, &mut make, &freqs, &ratios, &prompts, k, max_new_tokens)?;
-            println!(
-                "{} ratios × {} prompts, k = {k}, T = 0: independent loops {:.1} s, fast path {:.1} s ({:.2}× faster); counts agree: {}",
-                b.ratios.len(), b.prompts, b.independent_secs, b.fast_path_secs, b.independent_secs / b.fast_path_secs, b.counts_agree
-            );
+            let d = bench::Drafting { target_spec: &model.model, kind: &draft_kind, draft: draft.as_deref(), freq: &freq, ratios: &ratios, k };
+            bench::fast_path(|| model.load(), &d, &dataset, num_prompts, max_new_tokens)?
         }
         Command::Freq(FreqCommand::Build { tokenizer, corpus, format, out }) => freq::build(&tokenizer, &corpus, format, &out)?,
         Command::Freq(FreqCommand::FromOutputs { model, dataset, num_prompts, max_new_tokens, out }) => {

@@ -186,7 +186,7 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
     match settings.engine {
         EngineKind::Cpu => {
             let probe = vec![0.5f32; target.model.config.hidden];
-            let drafts = keeps.iter().map(|_| cpu::draft::build(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model)).collect::<Result<_>>()?;
+            let drafts = keeps.iter().map(|_| Ok(load()?.boxed())).collect::<Result<_>>()?;
             sweep.run(&target.model, drafts, keeps, &probe)
         }
         EngineKind::Candle => {

@@ -257,7 +257,7 @@ impl Draft<Llama> for Eagle3Draft<'_> {
 
     fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<Tensor> {
         let (n, seen) = (ctx.tokens.len(), self.cache.len());
-        let g = self.w.fc.forward(&ctx.features.layer_rows(seen, n - 1 - seen)?.to_dtype(self.target.dtype)?)?;
+        let g = self.w.fc.forward(&ctx.features.layer_rows(seen, n - 1 - seen)?)?;
         let pre = self.step(&g, &ctx.tokens[seen + 1..n])?;
         let last = pre.narrow(0, pre.dim(0)? - 1, 1)?;
         self.head_input(last)
