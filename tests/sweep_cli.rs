@@ -269,6 +269,21 @@ fn a_sweep_on_the_candle_engine_passes_check_against_the_cpu_engines_and_reruns_
 }
 
 #[test]
+fn a_draft_model_narrower_than_the_target_sweeps_on_both_engines() {
+    // The draft head's timing probe is the head's own width, not the target's (it panicked on the CPU engine).
+    let f = Fixture::new(3);
+    let narrow = Shape { hidden: 32, intermediate: 64, heads: 2, kv_heads: 1, ..Shape::tiny() };
+    synthetic::write_model(&f.dir.path().join("narrow"), &narrow, 3, candle_core::DType::F32).unwrap();
+    let draft = ["--draft", &f.path("narrow"), "--draft-kind", "model"];
+    for engine in ["cpu", "candle"] {
+        let out = f.dir.path().join(engine);
+        let args: Vec<&str> = SMALL.iter().copied().chain(["--engine", engine]).collect();
+        ok(f.sweep_drafting(&out, &draft, &args));
+        assert_eq!(frspec::outputs::store::read(&out.join("timing_summary.parquet")).unwrap().height(), 4, "{engine}");
+    }
+}
+
+#[test]
 fn plots_and_report_of_a_sweep() {
     let f = Fixture::new(4);
     let a = f.dir.path().join("a");

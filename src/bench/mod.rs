@@ -139,9 +139,9 @@ pub struct HeadBench {
     pub draft_step_secs: f64,
 }
 
-/// Median seconds of one evaluation of `head` (one hidden row → logits) over `reps` calls. The values of the row
-/// do not change the time.
-pub fn head_secs<M: HeadRows>(head: &DraftHead<M>, hidden_row: &M::Row, reps: usize) -> Result<f64> {
+/// Median seconds of one evaluation of `head` (one hidden row → logits) over `reps` calls.
+pub fn head_secs<M: HeadRows>(head: &DraftHead<M>, reps: usize) -> Result<f64> {
+    let hidden_row = &head.probe()?;
     let mut logits = Vec::new();
     let mut scratch = M::Scratch::default();
     let mut times = Vec::with_capacity(reps);
@@ -173,7 +173,6 @@ pub fn draft_heads(
     features.append(&fwd.hidden, &fwd.layer_inputs);
     let mut tokens = prompt.clone();
     tokens.push(argmax(&fwd.logits));
-    let hidden_row = fwd.hidden[fwd.hidden.len() - model.config.hidden..].to_vec();
     let mut rng = <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(0);
     let mut out = Vec::new();
     let mut cases: Vec<(f64, Option<HeadMode>)> = vec![(0.0, None)];
@@ -203,7 +202,7 @@ pub fn draft_heads(
             ratio,
             head: mode.map_or("full".into(), |m| format!("{m:?}").to_lowercase()),
             kept: head.kept(),
-            head_secs: head_secs(&head, &hidden_row, reps)?,
+            head_secs: head_secs(&head, reps)?,
             draft_step_secs: median(&step_times),
         });
     }

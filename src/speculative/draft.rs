@@ -97,6 +97,11 @@ impl<M: HeadRows> DraftHead<M> {
         Ok(())
     }
 
+    /// A hidden row of the head's width, for timing it.
+    pub fn probe(&self) -> Result<M::Row> {
+        self.lm.matrix.probe()
+    }
+
     /// Token id of a head-space index.
     pub fn id(&self, index: usize) -> u32 {
         match &self.sliced {

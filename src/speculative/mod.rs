@@ -57,6 +57,8 @@ pub trait HeadRows: Sized {
     fn select_rows(&self, rows: &[u32]) -> Result<Self>;
     /// Logits of `row` over every row of the head, on the host.
     fn logits(&self, row: &Self::Row, out: &mut Vec<f32>, scratch: &mut Self::Scratch) -> Result<()>;
+    /// A hidden row of the head's own width, for timing it (the values do not change the time).
+    fn probe(&self) -> Result<Self::Row>;
 }
 
 /// The hidden row type of a target's heads.

@@ -15,7 +15,7 @@ use crate::engine::candle::draft::DraftWeights;
 use crate::engine::{candle, cpu, EngineKind};
 use crate::outputs::manifest::{self, FileDigest, Hardware, Manifest};
 use crate::spec::{Pruning, Settings};
-use crate::speculative::{Draft, DraftHead, DraftKind, HeadMode, Row};
+use crate::speculative::{Draft, DraftHead, DraftKind, HeadMode};
 use crate::outputs::store;
 use crate::summary::{self, CellSummary, CellTiming};
 use crate::loading::target::Target;
@@ -185,17 +185,15 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
     let load = || cpu::draft::load(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model);
     match settings.engine {
         EngineKind::Cpu => {
-            let probe = vec![0.5f32; target.model.config.hidden];
             let drafts = keeps.iter().map(|_| Ok(load()?.boxed())).collect::<Result<_>>()?;
-            sweep.run(&target.model, drafts, keeps, &probe)
+            sweep.run(&target.model, drafts, keeps)
         }
         EngineKind::Candle => {
             let (device, dtype) = (candle::device(&settings.device)?, candle::dtype(&settings.dtype)?);
             let llama = candle::llama::Llama::from_engine(&target.model, &device, dtype)?;
             let weights = DraftWeights::from_engine(&load()?, &llama)?;
-            let probe = candle_core::Tensor::full(0.5f32, (1, llama.config.hidden), &device)?.to_dtype(dtype)?;
             let drafts = keeps.iter().map(|_| weights.instance(&llama)).collect();
-            sweep.run(&llama, drafts, keeps, &probe)
+            sweep.run(&llama, drafts, keeps)
         }
     }
 }
@@ -214,7 +212,7 @@ struct Sweep<'a> {
 
 impl Sweep<'_> {
     /// Run the units the folder lacks on `engine` with one draft per cell, then write the tables and the manifest.
-    fn run<'t, T: crate::speculative::TargetModel>(&self, engine: &'t T, mut drafts: Vec<Box<dyn Draft<T> + 't>>, keeps: Vec<Option<KeepSet>>, probe: &Row<T>) -> Result<Outcome> {
+    fn run<'t, T: crate::speculative::TargetModel>(&self, engine: &'t T, mut drafts: Vec<Box<dyn Draft<T> + 't>>, keeps: Vec<Option<KeepSet>>) -> Result<Outcome> {
         let (settings, out, options, plan, questions) = (self.settings, self.out, self.options, self.plan, self.questions);
         let vocab = self.target.model.config.vocab;
         let kept: Vec<u64> = keeps.iter().map(|k| k.as_ref().map_or(vocab, |k| k.ids.len()) as u64).collect();
@@ -250,7 +248,7 @@ impl Sweep<'_> {
         store::write_timings(&out.join(store::TIMINGS), &runs)?;
         let summary = summary::summarize(plan, &kept, &runs)?;
         store::write_summary(&out.join(store::SUMMARY), &summary)?;
-        let head_ms: Vec<f64> = heads.iter().map(|h| Ok(1e3 * crate::bench::head_secs(h, probe, HEAD_REPS)?)).collect::<Result<_>>()?;
+        let head_ms: Vec<f64> = heads.iter().map(|h| Ok(1e3 * crate::bench::head_secs(h, HEAD_REPS)?)).collect::<Result<_>>()?;
         let timings = summary::timings(plan, &kept, &head_ms, &runs);
         store::write_timing_summary(&out.join(store::TIMING_SUMMARY), &timings)?;
 

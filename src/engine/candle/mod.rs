@@ -137,6 +137,10 @@ impl HeadRows for DeviceHead {
         *out = row.matmul(&self.0.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         Ok(())
     }
+
+    fn probe(&self) -> Result<Tensor> {
+        Ok(Tensor::full(0.5f32, (1, self.0.dims()[1]), self.0.device())?.to_dtype(self.0.dtype())?)
+    }
 }
 
 impl TargetModel for Llama {

@@ -123,6 +123,10 @@ impl HeadRows for Arc<Matrix> {
         self.matmul(row, out, scratch);
         Ok(())
     }
+
+    fn probe(&self) -> Result<Vec<f32>> {
+        Ok(vec![0.5; self.cols])
+    }
 }
 
 /// Greedy continuations of several prompts decoded together: each prompt is prefilled alone, then each step
