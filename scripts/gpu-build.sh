@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build frspec with CUDA on this machine (no GPU needed) and pack it for a GPU machine: .gpu/frspec.xz, stripped
-# and compressed (≈ 14 MB; the binary carries candle's kernels). Then, there: scripts/gpu-check.sh .gpu/frspec.xz OUT
+# and compressed (21.9 MB on 2026-11-30; the binary carries candle's kernels). Then, there: scripts/gpu-check.sh .gpu/frspec.xz OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/frspec-target}"
