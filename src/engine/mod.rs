@@ -20,12 +20,3 @@ impl EngineKind {
         *self == EngineKind::Cpu
     }
 }
-
-impl std::fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            EngineKind::Cpu => "cpu",
-            EngineKind::Candle => "candle",
-        })
-    }
-}

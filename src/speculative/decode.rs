@@ -288,16 +288,26 @@ pub fn greedy_continuation<T: TargetModel>(target: &T, stop_ids: &[u32], prompt:
     let stop = loop {
         let next = crate::sampling::argmax(&logits);
         tokens.push(next);
-        if stop_ids.contains(&next) {
-            break StopReason::EndOfTurn;
-        } else if tokens.len() - prompt.len() == max_new_tokens {
-            break StopReason::MaxTokens;
-        } else if cache.len() + 1 >= target.context_length() {
-            break StopReason::ContextLimit;
+        if let Some(stop) = continuation_stop(next, stop_ids, tokens.len() - prompt.len(), max_new_tokens, cache.len(), target.context_length()) {
+            break stop;
         }
         target.forward(&[next], &mut cache, &[0], Some(&mut features), &mut logits)?;
     };
     Ok(Continuation { tokens, features, stop, secs: t0.elapsed().as_secs_f64() })
+}
+
+/// Why a continuation ends after emitting `next` as its `generated`-th token, with `cached` positions in the target's
+/// cache (the new token not yet fed); None to go on.
+pub fn continuation_stop(next: u32, stop_ids: &[u32], generated: usize, max_new_tokens: usize, cached: usize, context_length: usize) -> Option<StopReason> {
+    if stop_ids.contains(&next) {
+        Some(StopReason::EndOfTurn)
+    } else if generated == max_new_tokens {
+        Some(StopReason::MaxTokens)
+    } else if cached + 1 >= context_length {
+        Some(StopReason::ContextLimit)
+    } else {
+        None
+    }
 }
 
 /// Greedy (T = 0) speculative decoding for several drafts at once. Greedy output does not depend on the draft,

@@ -1,4 +1,4 @@
-//! TargetModel-only decoding: the baseline every speculative run must reproduce.
+//! Target-only decoding: the baseline every speculative run must reproduce.
 
 use super::{Positions, TargetModel};
 use crate::sampling::{argmax, draw, Sampling};

@@ -86,7 +86,7 @@ fn check(settings: &Settings, questions: &[Question]) -> Result<()> {
         EngineKind::Cpu => {}
         EngineKind::Candle => {
             candle::dtype(&settings.dtype)?;
-            candle::device(&settings.device)?;
+            candle::cuda_ordinal(&settings.device)?;
         }
     }
     let labels = match &settings.pruning {

@@ -179,8 +179,7 @@ impl Proj {
         Ok(Proj { w: dense(&p.weight, device, dtype)?, b })
     }
 
-    pub fn forward
-(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = x.matmul(&self.w.t()?)?;
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
@@ -443,11 +442,6 @@ impl Llama {
     /// Full-vocabulary logits `[n, vocab]` of hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(hidden.matmul(&self.lm_head.t()?)?)
-    }
-
-    /// The LM head's rows for `ids` (an FR-Spec draft head), `[ids.len(), hidden]`.
-    pub fn head_rows(&self, ids: &[u32]) -> Result<Tensor> {
-        Ok(self.lm_head.index_select(&Tensor::from_slice(ids, ids.len(), &self.device)?, 0)?)
     }
 }
 

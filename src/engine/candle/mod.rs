@@ -13,8 +13,17 @@ use llama::{Cache, Llama};
 
 /// `cpu`, `cuda` or `cuda:N`.
 pub fn device(name: &str) -> Result<Device> {
-    if name == "cpu" {
+    let Some(ordinal) = cuda_ordinal(name)? else {
         return Ok(Device::Cpu);
+    };
+    // candle's CUDA errors carry a backtrace in their text; its first line says what failed.
+    Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("--device {name}: no usable GPU: {}", e.to_string().lines().next().unwrap_or_default()))
+}
+
+/// The GPU index `name` asks for (None for `cpu`), checked against this build without opening the device.
+pub fn cuda_ordinal(name: &str) -> Result<Option<usize>> {
+    if name == "cpu" {
+        return Ok(None);
     }
     let Some(rest) = name.strip_prefix("cuda") else {
         bail!("--device {name}: expected cpu, cuda or cuda:N");
@@ -26,8 +35,7 @@ pub fn device(name: &str) -> Result<Device> {
     if !candle_core::utils::cuda_is_available() {
         bail!("--device {name}: this frspec was built without CUDA; build it with `--features cuda` (README, GPU)");
     }
-    // candle's CUDA errors carry a backtrace in their text; its first line says what failed.
-    Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("--device {name}: no usable GPU: {}", e.to_string().lines().next().unwrap_or_default()))
+    Ok(Some(ordinal))
 }
 
 /// Whether this build can use a GPU here (CUDA compiled in and device 0 usable).

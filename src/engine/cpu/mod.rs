@@ -6,7 +6,7 @@ pub mod draft;
 pub mod model;
 pub mod tensor;
 
-use crate::speculative::decode::Continuation;
+use crate::speculative::decode::{continuation_stop, Continuation};
 use crate::speculative::{HeadRows, Positions, StopReason, TargetModel};
 use anyhow::{bail, Result};
 use model::{Cache, Model};
@@ -171,15 +171,7 @@ pub fn continuations<P: AsRef<[u32]>>(
         active.retain(|&i| {
             let (c, next) = &mut seqs[i];
             c.tokens.push(*next);
-            let stop = if stop_ids.contains(next) {
-                Some(StopReason::EndOfTurn)
-            } else if c.tokens.len() - prompts[i].len() == max_new_tokens {
-                Some(StopReason::MaxTokens)
-            } else if caches[i].len() + 1 >= ctx_limit {
-                Some(StopReason::ContextLimit)
-            } else {
-                None
-            };
+            let stop = continuation_stop(*next, stop_ids, c.tokens.len() - prompts[i].len(), max_new_tokens, caches[i].len(), ctx_limit);
             c.stop = stop.unwrap_or(c.stop);
             stop.is_none()
         });
