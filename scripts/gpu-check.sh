@@ -5,9 +5,10 @@
 # of part 4 are planned for about a minute more (not yet timed there); at most 5 minutes.
 #   1. agreement: greedy tokens of a synthetic model in f32 on the GPU against the CPU engine (exit 1 if they differ)
 #   2. bench head at Llama-3.1 size (H 4096, V 128256) in bf16, B = 1 … 1024, every ratio
-#   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s and its share of the measured
-#      memory bandwidth, a verification pass, and the speculative loop with a random EAGLE-1 head at each ratio
-#      (its tokens/s and drafting time; acceptance is meaningless with random weights, speed is not)
+#   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s, verification passes of
+#      k + 1 = 5 and 64 tokens, and the speculative loop with a random EAGLE-1 head at each ratio (its tokens/s and
+#      drafting time; acceptance is meaningless with random weights, speed is not), each against the limit the
+#      measured read bandwidth sets for the bytes it must read (printed as a table after the JSON)
 #   4. a sweep of a synthetic target drafted by its first three layers on the GPU (candle engine, f32) against the
 #      same sweep on the CPU engine: `check` must pass and every T = 0 record must be identical (exit 1 otherwise);
 #      scripts/compare-sweeps.py also says how close the sampled records are
@@ -55,7 +56,20 @@ echo "== 2. bench head, H 4096, V 128256, bf16"
   --device cuda --dtype bf16 --out "$out/head" | tee "$out/head.txt"
 
 echo "== 3. bench decode, Llama-3.1-8B shape, bf16, random weights"
-"$bin" bench decode --shape llama31-8b --device cuda --dtype bf16 --new-tokens 128 --runs 3 --json | tee "$out/decode-llama31-8b.json"
+"$bin" bench decode --shape llama31-8b --device cuda --dtype bf16 --new-tokens 128 --runs 3 --json > "$out/decode-llama31-8b.json"
+python3 - "$out/decode-llama31-8b.json" <<'PY'
+import json, sys
+b = json.load(open(sys.argv[1]))
+bw, limit = b["device_bytes_per_sec"], b["step_limit_secs"]
+print(f"read bandwidth {bw / 1e9:.0f} GB/s; a step reads {b['weight_bytes_per_token'] / 1e9:.2f} GB: limit {1e3 * limit:.3f} ms = {1 / limit:.1f} tokens/s")
+print(f"{'what':<28} {'ms':>9} {'limit ms':>9} {'share':>7}")
+print(f"{'decode (1 token)':<28} {1e3 * b['decode_step_secs']:>9.3f} {1e3 * limit:>9.3f} {100 * b['bandwidth_share']:>6.1f}%   {b['decode_tok_s']:.1f} tokens/s")
+print(f"{'  host enqueue / synced':<28} {1e3 * b['decode_enqueue_secs']:>9.3f} {1e3 * b['decode_synced_secs']:>9.3f}")
+for v in b["verify"]:
+    print(f"{'verify ' + str(v['tokens']) + ' tokens':<28} {1e3 * v['secs']:>9.3f} {1e3 * limit:>9.3f} {100 * v['share']:>6.1f}%")
+for d in b["drafts"]:
+    print(f"{'EAGLE-1 draft, ratio ' + str(d['ratio']):<28} {1e3 * d['draft_step_secs']:>9.3f} {1e3 * d['draft_limit_secs']:>9.3f} {100 * d['draft_share']:>6.1f}%   loop {d['loop_tok_s']:.1f} tokens/s")
+PY
 
 echo "== 4. a sweep on the GPU (candle engine, f32) against the same sweep on the CPU engine"
 # The byte tokenizer has 258 ids; a model of that vocabulary matches the frequency file counted with it. Its first

@@ -1,12 +1,14 @@
 //! The candle engine (frspec's GPU path) against the CPU engine, run here on the CPU in f32: the same model gives
 //! the same greedy tokens and nearly the same hidden states; its caches roll back as verification needs; the
-//! `bench decode` route through it reports and compares.
+//! `bench decode` route through it reports and compares; in bf16 it stays within bf16's tolerance of the engine; padded
+//! head rows change no logits.
 
 mod common;
 use common::frspec;
 use frspec::engine::candle::draft::DraftWeights;
 use frspec::engine::candle::llama::{greedy, named_shape, Llama};
-use frspec::speculative::{Context, TargetModel};
+use frspec::engine::candle::DeviceHead;
+use frspec::speculative::{Context, HeadRows, TargetModel};
 use frspec::engine::cpu::model::Config;
 use frspec::bench::engine_greedy;
 use frspec::text::chat::Message;
@@ -117,5 +119,53 @@ fn bench_decode_on_the_candle_engine_compares_with_the_engine() {
         let out = frspec().args(["bench", "decode", "--model", dir.path().to_str().unwrap()]).args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.code() == Some(1) && err.contains(expect), "{args:?}: {err}");
+    }
+}
+
+/// ‖a − b‖ / ‖b‖.
+fn relative_error(a: &Tensor, b: &[f32]) -> f64 {
+    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (diff, norm) = a.iter().zip(b).fold((0.0, 0.0), |(d, n), (&x, &y)| (d + ((x - y) as f64).powi(2), n + (y as f64).powi(2)));
+    (diff / norm).sqrt()
+}
+
+#[test]
+fn fused_forward_agrees_with_the_engine_in_f32_and_bf16() {
+    // The candle forward (fused norms, RoPE and softmax, stacked projections, the cache written in place) against
+    // the CPU engine, prompt then a verification block over the cache: f32 to rounding, bf16 to its 8-bit mantissa.
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape { qkv_bias: true, ..Shape::tiny() };
+    synthetic::write_model(dir.path(), &shape, 3, DType::F32).unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    let (prompt, block) = ([5, 17, 200, 3, 99, 42, 7], [8, 19, 23, 4, 61]);
+    let mut engine_cache = model.new_cache();
+    model.forward(&prompt, &mut engine_cache, &[], &[]).unwrap();
+    let expected = model.forward(&block, &mut engine_cache, &[], &[]).unwrap().hidden;
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        let llama = Llama::from_engine(&model, &Device::Cpu, dtype).unwrap();
+        let mut cache = llama.new_cache();
+        llama.forward(&prompt, &mut cache).unwrap();
+        let error = relative_error(&llama.forward(&block, &mut cache).unwrap(), &expected);
+        assert!(error < tolerance, "{dtype:?}: relative error {error}");
+    }
+}
+
+#[test]
+fn padded_head_rows_give_the_unpadded_logits() {
+    // 1,283 kept rows are stored as 1,408 (a multiple of 128); the padding's logits never reach the chooser.
+    let matrix = Tensor::randn(0f32, 1.0, (3000, 64), &Device::Cpu).unwrap();
+    let ids: Vec<u32> = (0..1283).map(|i| (i * 7 % 3000) as u32).collect();
+    let head = DeviceHead::new(matrix.clone()).select_rows(&ids).unwrap();
+    assert_eq!((head.rows(), head.stored_rows()), (1283, 1408));
+    let unpadded = matrix.index_select(&Tensor::from_slice(&ids, ids.len(), &Device::Cpu).unwrap(), 0).unwrap();
+    let (mut logits, mut plain) = (Vec::new(), Vec::new());
+    for _ in 0..20 {
+        let row = Tensor::randn(0f32, 1.0, (1, 64), &Device::Cpu).unwrap();
+        head.logits(&row, &mut logits, &mut ()).unwrap();
+        DeviceHead::new(unpadded.clone()).logits(&row, &mut plain, &mut ()).unwrap();
+        assert_eq!(logits.len(), 1283);
+        assert!(logits.iter().zip(&plain).all(|(a, b)| (a - b).abs() <= 1e-5 * b.abs().max(1.0)));
+        let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+        assert_eq!(argmax(&logits), argmax(&plain));
     }
 }

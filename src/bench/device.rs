@@ -3,7 +3,7 @@
 
 use super::{median, median_secs, HeadPoint, Roofline};
 use crate::engine::candle::draft::DraftWeights;
-use crate::engine::candle::llama::{argmax_rows, greedy, streamed_parameters, Llama};
+use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Llama};
 use crate::engine::cpu::model::{Config, Model};
 use crate::sampling::Sampling;
 use crate::speculative::{speculative_turn, DraftHead, DraftMode, HeadMode, SpecConfig};
@@ -33,17 +33,34 @@ pub fn roofline(device: &Device, dtype: DType) -> Result<Roofline> {
     Ok(Roofline { bytes_per_sec: bandwidth(device)?, flops_per_sec: 2.0 * (n * n * n) as f64 / best })
 }
 
-/// Memory bandwidth as measured on the device: a 1 GiB elementwise pass (read + write); on the CPU, the read probe.
+/// Read bandwidth as measured on the device: the better of two read-only passes over 4 GiB of random values, row
+/// sums (what PyTorch's `sum` probe does) and a bf16 matrix-vector product (what a decode step is made of). On the
+/// CPU, the CPU's read probe. An elementwise pass is not a read probe: it also writes, and through candle it reached
+/// only 632–678 GB/s on an H200 where reads run at 4,220 GB/s.
 pub fn bandwidth(device: &Device) -> Result<f64> {
     if device.is_cpu() {
         return Ok(super::read_bandwidth());
     }
-    let x = Tensor::ones(1usize << 28, DType::F32, device)?;
+    let (rows, cols) = (1usize << 16, 1usize << 14);
+    let rowsums = {
+        let x = Tensor::randn(0f32, 1.0, (rows, cols), device)?;
+        read_rate(device, x.elem_count() * 4, || Ok(x.sum_keepdim(1)?))?
+    };
+    let matvec = {
+        let w = Tensor::randn(0f32, 1.0, (2 * rows * cols / 4096, 4096), device)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1.0, (1, 4096), device)?.to_dtype(DType::BF16)?;
+        read_rate(device, w.elem_count() * 2, || Ok(v.matmul(&w.t()?)?))?
+    };
+    Ok(rowsums.max(matvec))
+}
+
+/// Bytes per second of `pass`, which reads `bytes` once, median of several runs.
+fn read_rate(device: &Device, bytes: usize, mut pass: impl FnMut() -> Result<Tensor>) -> Result<f64> {
     let secs = median_secs(|| {
-        std::hint::black_box(x.affine(1.0, 0.0)?);
+        std::hint::black_box(pass()?);
         Ok(device.synchronize()?)
     })?;
-    Ok(2.0 * (x.elem_count() * 4) as f64 / secs)
+    Ok(bytes as f64 / secs)
 }
 
 /// `bench head` on a device: draft logits `[B, H] × [H, V′]` in `dtype` (weights and activations), candle's matmul.
@@ -75,6 +92,10 @@ pub struct DraftCost {
     /// Median tokens/s of the speculative loop itself (prefill included) with this random head, which the target
     /// almost never accepts: about one token per step.
     pub loop_tok_s: f64,
+    /// What one drafting step must read (fc, the layer, the kept head rows) at the measured bandwidth, and the
+    /// step's share of that limit.
+    pub draft_limit_secs: f64,
+    pub draft_share: f64,
     /// One verification pass plus k drafting steps.
     pub speculative_step_secs: f64,
     /// The mean acceptance length at which speculative decoding matches target-only speed.
@@ -118,11 +139,28 @@ pub struct DeviceDecodeBench {
     pub bandwidth_share: f64,
     /// Median seconds of a verification pass: k + 1 tokens forwarded, logits for all of them, argmax.
     pub verify_secs: f64,
+    /// Verification passes of k + 1 and of 64 tokens against the weight-streaming limit.
+    pub verify: Vec<BlockCost>,
+    /// Weight bytes of one step ÷ the measured bandwidth: the fastest a step can be.
+    pub step_limit_secs: f64,
+    /// Median host seconds to enqueue one decode step (forward, logits, argmax on the device) and the step's seconds
+    /// once the device has finished it: when the two are close, launching the kernels is what bounds a step.
+    pub decode_enqueue_secs: f64,
+    pub decode_synced_secs: f64,
     /// Seconds of one target-only decode step (1 / decode_tok_s).
     pub decode_step_secs: f64,
     pub acceptance_lengths: Vec<f64>,
     pub drafts: Vec<DraftCost>,
     pub agreement: Option<Agreement>,
+}
+
+/// A forward of a block of tokens against the weight-streaming limit.
+#[derive(Clone, Debug, Serialize)]
+pub struct BlockCost {
+    pub tokens: usize,
+    pub secs: f64,
+    /// The step limit ÷ `secs`.
+    pub share: f64,
 }
 
 pub struct DecodeSettings<'a> {
@@ -159,15 +197,29 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         }
     }
     let decode_tok_s = median(&decode_runs);
+    let (decode_enqueue_secs, decode_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens)?;
+
+    let weight_bytes = (streamed_parameters(&model.config) * model.dtype.size_in_bytes()) as f64;
+    let device_bytes_per_sec = bandwidth(device)?;
+    let step_limit_secs = weight_bytes / device_bytes_per_sec;
 
     let mut cache = model.new_cache();
     model.forward(s.prompt, &mut cache)?;
     let base = cache.len();
-    let block: Vec<u32> = s.prompt.iter().cycle().take(s.k + 1).copied().collect();
-    let verify_secs = median_secs(|| {
-        argmax_rows(&model.logits(&model.forward(&block, &mut cache)?)?)?;
-        cache.truncate(base)
-    })?;
+    let mut blocks = vec![s.k + 1, 64];
+    blocks.dedup();
+    let verify = blocks
+        .into_iter()
+        .map(|tokens| -> Result<BlockCost> {
+            let block: Vec<u32> = s.prompt.iter().cycle().take(tokens).copied().collect();
+            let secs = median_secs(|| {
+                argmax_rows(&model.logits(&model.forward(&block, &mut cache)?)?)?;
+                cache.truncate(base)
+            })?;
+            Ok(BlockCost { tokens, secs, share: step_limit_secs / secs })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let verify_secs = verify[0].secs;
 
     let decode_step_secs = 1.0 / decode_tok_s;
     let eagle = DraftWeights::random_eagle(model)?;
@@ -192,10 +244,15 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         }
         let draft_step_secs = median(&per_draft);
         let speculative_step_secs = verify_secs + s.k as f64 * draft_step_secs;
+        let c = &model.config;
+        let draft_bytes = ((2 * c.hidden * c.hidden + layer_parameters(c) + kept * c.hidden) * model.dtype.size_in_bytes()) as f64;
+        let draft_limit_secs = draft_bytes / device_bytes_per_sec;
         drafts.push(DraftCost {
             ratio,
             kept,
             draft_step_secs,
+            draft_limit_secs,
+            draft_share: draft_limit_secs / draft_step_secs,
             loop_tok_s: median(&loop_runs),
             speculative_step_secs,
             break_even_length: speculative_step_secs / decode_step_secs,
@@ -213,8 +270,6 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         .transpose()
         .context("comparing greedy tokens with the CPU engine")?;
 
-    let weight_bytes = (streamed_parameters(&model.config) * model.dtype.size_in_bytes()) as f64;
-    let device_bytes_per_sec = bandwidth(device)?;
     let decode_bytes_per_sec = weight_bytes * decode_tok_s;
     Ok(DeviceDecodeBench {
         device: s.device.into(),
@@ -235,11 +290,33 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         device_bytes_per_sec,
         bandwidth_share: decode_bytes_per_sec / device_bytes_per_sec,
         verify_secs,
+        verify,
+        step_limit_secs,
+        decode_enqueue_secs,
+        decode_synced_secs,
         decode_step_secs,
         acceptance_lengths: s.acceptance_lengths.to_vec(),
         drafts,
         agreement,
     })
+}
+
+/// Medians over `steps` one-token steps after `prompt` of the host time to enqueue a step and of the step's time
+/// until the device is done with it (the next token fixed, so nothing is read back).
+fn enqueue_and_step(model: &Llama, prompt: &[u32], steps: usize) -> Result<(f64, f64)> {
+    let mut cache = model.new_cache();
+    model.forward(prompt, &mut cache)?;
+    let (mut enqueue, mut synced) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        model.device.synchronize()?;
+        let t = Instant::now();
+        let hidden = model.forward(&prompt[..1], &mut cache)?;
+        std::hint::black_box(model.logits(&hidden)?.argmax(candle_core::D::Minus1)?);
+        enqueue.push(t.elapsed().as_secs_f64());
+        model.device.synchronize()?;
+        synced.push(t.elapsed().as_secs_f64());
+    }
+    Ok((median(&enqueue), median(&synced)))
 }
 
 /// A prompt of `n` token ids spread over the vocabulary, for models without a tokenizer.

@@ -98,13 +98,19 @@ pub fn decode(r: &Decode) -> Result<bool> {
             b.device_bytes_per_sec / 1e9
         );
         println!("prefill {:>9.1} tokens/s", b.prefill_tok_s);
-        println!("verify  {:>9.3} ms for {} tokens (one-token step {:.3} ms)", 1e3 * b.verify_secs, r.k + 1, 1e3 * b.decode_step_secs);
+        let limit_ms = 1e3 * b.step_limit_secs;
+        println!("decode  {:>9.3} ms a token; the weight-streaming limit {limit_ms:.3} ms ({:.1} tokens/s)", 1e3 * b.decode_step_secs, 1.0 / b.step_limit_secs);
+        println!("        {:>9.3} ms to enqueue a step on the host, {:.3} ms until the device has run it", 1e3 * b.decode_enqueue_secs, 1e3 * b.decode_synced_secs);
+        for v in &b.verify {
+            println!("verify  {:>9.3} ms for {:>3} tokens = {:.1}% of the limit", 1e3 * v.secs, v.tokens, 100.0 * v.share);
+        }
         let header: String = r.lengths.iter().map(|l| format!("{:>11}", format!("tok/s@{l}"))).collect();
-        println!("{:>6} {:>8} {:>10} {:>10} {:>11} {:>11} {header}", "ratio", "kept", "draft ms", "step ms", "loop tok/s", "break-even");
+        println!("{:>6} {:>8} {:>10} {:>10} {:>7} {:>10} {:>11} {:>11} {header}", "ratio", "kept", "draft ms", "limit ms", "share", "step ms", "loop tok/s", "break-even");
         for d in &b.drafts {
             let projected: String = d.projected_tok_s.iter().map(|t| format!("{t:>11.1}")).collect();
-            let (draft_ms, step_ms) = (1e3 * d.draft_step_secs, 1e3 * d.speculative_step_secs);
-            println!("{:>6} {:>8} {draft_ms:>10.3} {step_ms:>10.3} {:>11.1} {:>11.2} {projected}", d.ratio, d.kept, d.loop_tok_s, d.break_even_length);
+            let (draft_ms, limit_ms, step_ms) = (1e3 * d.draft_step_secs, 1e3 * d.draft_limit_secs, 1e3 * d.speculative_step_secs);
+            let share = format!("{:.1}%", 100.0 * d.draft_share);
+            println!("{:>6} {:>8} {draft_ms:>10.3} {limit_ms:>10.3} {share:>7} {step_ms:>10.3} {:>11.1} {:>11.2} {projected}", d.ratio, d.kept, d.loop_tok_s, d.break_even_length);
         }
         if let Some(a) = &b.agreement {
             match a.first_difference {

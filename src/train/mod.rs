@@ -11,7 +11,8 @@
 //! The forward here is written in candle tensor operations because training needs autograd; the engine's own
 //! kernels (model.rs) run the trained head. A test checks the two agree.
 
-use crate::engine::candle::llama::{self, attention, attention_after_context, rms_norm, softmax, Rope};
+use crate::engine::candle::llama::{self, Rope};
+use ops::{attention, attention_after_context, rms_norm, softmax};
 use crate::text::chat::Message;
 use crate::speculative::generate::StopReason;
 use crate::engine::cpu::model::{Config, Model};
@@ -27,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
 
+mod ops;
 mod run;
 pub use run::{train_eagle, TrainOptions, Trained};
 
@@ -363,8 +365,8 @@ fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], context: Op
     let mut start = 0;
     for (s, &n) in lens.iter().enumerate() {
         let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
-        let tables = rope.at(0, n, pairs.device())?;
-        let (qh, kh, vh) = (tables.apply(&heads(&qs, d.heads)?)?, tables.apply(&heads(&ks, d.kv_heads)?)?, heads(&vs, d.kv_heads)?);
+        let tables = rope.at(0, n, pairs.device(), pairs.dtype())?;
+        let (qh, kh, vh) = (ops::rope(&tables, &heads(&qs, d.heads)?)?, ops::rope(&tables, &heads(&ks, d.kv_heads)?)?, heads(&vs, d.kv_heads)?);
         outs.push(match context {
             None => attention(&qh, &kh, &vh, 0)?,
             Some(c) => attention_after_context(&qh, &c[s].0, &c[s].1, &kh, &vh)?,

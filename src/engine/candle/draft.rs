@@ -2,7 +2,7 @@
 //! compute (`engine::cpu::draft`, whose loaders read and check the checkpoints) with candle tensors on the device.
 //! Weights are converted once and shared (candle tensors are reference-counted); each `instance` has its own cache.
 
-use super::llama::{rms_norm, Cache, Layer, Llama, Proj, Random, Rope};
+use super::llama::{norm_weights, rms_norm, Cache, Layer, Llama, Proj, Random, Rope};
 use super::{DeviceFeatures, DeviceHead};
 use crate::engine::cpu::draft::Loaded;
 use crate::engine::cpu::model::Geometry;
@@ -22,7 +22,7 @@ impl DraftWeights {
     /// Convert a draft loaded on the CPU engine onto `target`'s device and dtype.
     pub fn from_engine(loaded: &Loaded, target: &Llama) -> Result<DraftWeights> {
         let (device, dtype) = (&target.device, target.dtype);
-        let vector = |v: &[f32]| Tensor::from_slice(v, v.len(), device);
+        let vector = |v: &[f32]| norm_weights(v, device, dtype);
         Ok(match loaded {
             Loaded::Model(d) => DraftWeights::Model { model: Arc::new(Llama::from_engine(&d.model, device, dtype)?), label: d.label.clone() },
             Loaded::Eagle(d) => DraftWeights::Eagle(Arc::new(EagleWeights {
@@ -39,7 +39,7 @@ impl DraftWeights {
                 hidden_norm: vector(&d.hidden_norm)?,
                 norm: vector(&d.norm)?,
                 lm_head: LmHead {
-                    matrix: DeviceHead(super::llama::dense(&d.lm_head.matrix, device, dtype)?),
+                    matrix: DeviceHead::new(super::llama::dense(&d.lm_head.matrix, device, dtype)?),
                     row_ids: d.lm_head.row_ids.clone(),
                     vocab: d.lm_head.vocab,
                 },
@@ -89,7 +89,7 @@ impl Draft<Llama> for ModelDraft {
     }
 
     fn lm_head(&self) -> LmHead<DeviceHead> {
-        LmHead::full(DeviceHead(self.model.lm_head().clone()))
+        LmHead::full(DeviceHead::new(self.model.lm_head().clone()))
     }
 
     fn reset(&mut self) {
@@ -142,7 +142,7 @@ impl EagleDraft<'_> {
         let pair = Tensor::cat(&[&self.target.embed(tokens)?, features], 1)?;
         let x = self.w.fc.forward(&pair)?;
         let start = self.cache.len();
-        let rope = self.w.rope.at(start, tokens.len(), &self.target.device)?;
+        let rope = self.w.rope.at(start, tokens.len(), &self.target.device, self.target.dtype)?;
         let out = self.w.layer.forward(&self.w.geometry, &rope, &x, None, self.cache.layer(0), start)?;
         self.cache.advance(tokens.len());
         Ok(out)
@@ -155,7 +155,7 @@ impl Draft<Llama> for EagleDraft<'_> {
     }
 
     fn lm_head(&self) -> LmHead<DeviceHead> {
-        LmHead::full(DeviceHead(self.target.lm_head().clone()))
+        LmHead::full(DeviceHead::new(self.target.lm_head().clone()))
     }
 
     fn reset(&mut self) {
@@ -223,7 +223,7 @@ impl Eagle3Draft<'_> {
         let e = rms_norm(&self.target.embed(tokens)?, &self.w.input_norm, eps)?;
         let attn_input = Tensor::cat(&[&e, &rms_norm(g, &self.w.hidden_norm, eps)?], 1)?;
         let start = self.cache.len();
-        let rope = self.w.rope.at(start, tokens.len(), &self.target.device)?;
+        let rope = self.w.rope.at(start, tokens.len(), &self.target.device, self.target.dtype)?;
         let out = self.w.layer.forward(&self.w.geometry, &rope, g, Some(&attn_input), self.cache.layer(0), start)?;
         self.cache.advance(tokens.len());
         Ok(out)

@@ -5,6 +5,7 @@
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
+use std::sync::Mutex;
 
 /// The dimensions users ask about by name (from the models' config.json files), as a model config.
 pub fn named_shape(name: &str) -> Result<Config> {
@@ -33,9 +34,13 @@ pub fn named_shape(name: &str) -> Result<Config> {
 
 /// Parameters one decode step reads: every layer, the final norm and the LM head (of the embedding, one row).
 pub fn streamed_parameters(c: &Config) -> usize {
+    c.layers * layer_parameters(c) + c.vocab * c.hidden + 2 * c.hidden
+}
+
+/// Parameters of one decoder layer: projections and both norms.
+pub fn layer_parameters(c: &Config) -> usize {
     let (h, q, kv) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
-    let layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate + 2 * h;
-    c.layers * layer + c.vocab * h + 2 * h
+    2 * h * q + 2 * h * kv + 3 * h * c.intermediate + 2 * h
 }
 
 /// A dense `[out, in]` matrix on the device, with the engine's values.
@@ -47,120 +52,94 @@ pub fn dense(m: &crate::engine::cpu::tensor::Matrix, device: &Device, dtype: DTy
     Ok(Tensor::from_vec(values, (m.rows, m.cols), &Device::Cpu)?.to_device(device)?.to_dtype(dtype)?)
 }
 
-/// RMSNorm in f32 whatever the activations' dtype; `w` is f32.
+/// RMSNorm over the last dimension (candle-nn's fused kernel: statistics in f32 whatever the dtype); `w` is in
+/// `x`'s dtype.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let xf = x.to_dtype(DType::F32)?;
-    let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
-    Ok(xf.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?.to_dtype(x.dtype())?)
+    Ok(candle_nn::ops::rms_norm(x, w, eps as f32)?)
 }
 
-pub fn softmax(x: &Tensor) -> Result<Tensor> {
-    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
-}
-
-/// Rotary position embedding: which dimensions pair up, and their inverse frequencies.
-#[derive(Clone, Debug)]
+/// Rotary position embedding: which dimensions pair up, their inverse frequencies, and the cos and sin of every
+/// position used so far, kept on the device (built once, doubled when a longer context needs more).
+#[derive(Debug)]
 pub struct Rope {
     pub inv_freq: Vec<f32>,
     pub style: RopeStyle,
+    table: Mutex<Option<(Tensor, Tensor)>>,
 }
 
 impl Rope {
     pub fn of(g: &Geometry) -> Rope {
-        Rope { inv_freq: g.inv_freq.clone(), style: g.rope_style }
+        Rope { inv_freq: g.inv_freq.clone(), style: g.rope_style, table: Mutex::new(None) }
     }
 
     /// Plain RoPE of base `theta` over HF's rotate-half pairs.
     pub fn halves(theta: f64, head_dim: usize) -> Rope {
         let inv_freq = (0..head_dim / 2).map(|j| theta.powf(-(2.0 * j as f64) / head_dim as f64) as f32).collect();
-        Rope { inv_freq, style: RopeStyle::Halves }
+        Rope { inv_freq, style: RopeStyle::Halves, table: Mutex::new(None) }
     }
 
-    /// cos and sin of every rotated pair at positions `start..start + n`, for all layers of one forward.
-    pub fn at(&self, start: usize, n: usize, device: &Device) -> Result<RopeTables> {
+    /// cos and sin `[n, head_dim / 2]` of positions `start..start + n` in `dtype`, for all layers of one forward.
+    pub fn at(&self, start: usize, n: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
+        let end = start + n;
+        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        let fits = |t: &(Tensor, Tensor)| t.0.dim(0).is_ok_and(|len| len >= end) && t.0.dtype() == dtype && t.0.device().same_device(device);
+        if !table.as_ref().is_some_and(fits) {
+            *table = Some(self.table(end.next_power_of_two().max(256), device, dtype)?);
+        }
+        let (cos, sin) = table.as_ref().expect("just built");
+        Ok(RopeTables { cos: cos.narrow(0, start, n)?, sin: sin.narrow(0, start, n)?, style: self.style })
+    }
+
+    fn table(&self, positions: usize, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
         // Angles formed in f32 and evaluated exactly, as the engine does.
-        let angles: Vec<f64> = (0..n).flat_map(|i| self.inv_freq.iter().map(move |f| ((start + i) as f32 * f) as f64)).collect();
-        let table = |f: fn(f64) -> f64| -> Result<Tensor> { Ok(Tensor::from_vec(angles.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), (n, half), device)?) };
-        let (cos, sin) = (table(f64::cos)?, table(f64::sin)?);
-        Ok(match self.style {
-            // Rotate-half pairs dimension j with j + d/2: the tables cover both halves.
-            RopeStyle::Halves => RopeTables { cos: Tensor::cat(&[&cos, &cos], 1)?, sin: Tensor::cat(&[&sin, &sin], 1)?, style: self.style },
-            RopeStyle::Interleaved => RopeTables { cos, sin, style: self.style },
-        })
+        let angles: Vec<f64> = (0..positions).flat_map(|i| self.inv_freq.iter().map(move |f| (i as f32 * f) as f64)).collect();
+        let table = |f: fn(f64) -> f64| -> Result<Tensor> {
+            Ok(Tensor::from_vec(angles.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), (positions, half), device)?.to_dtype(dtype)?)
+        };
+        Ok((table(f64::cos)?, table(f64::sin)?))
     }
 }
 
-/// RoPE at a fixed run of positions: cos and sin `[n, head_dim / 2]` (interleaved) or `[n, head_dim]` (halves).
+/// RoPE at a fixed run of positions: cos and sin `[n, head_dim / 2]`.
 pub struct RopeTables {
-    cos: Tensor,
-    sin: Tensor,
+    pub cos: Tensor,
+    pub sin: Tensor,
     style: RopeStyle,
 }
 
 impl RopeTables {
-    /// Rotate `x` `[heads, n, head_dim]`, computing in f32.
+    /// Rotate `x` `[heads, n, head_dim]` (contiguous) with candle-nn's fused kernels.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let (heads, n, d) = x.dims3()?;
-        let half = d / 2;
-        let (cos, sin) = (&self.cos, &self.sin);
-        let xf = x.to_dtype(DType::F32)?;
+        let x = x.unsqueeze(0)?;
         let rotated = match self.style {
-            RopeStyle::Halves => {
-                let (a, b) = (xf.narrow(2, 0, half)?, xf.narrow(2, half, half)?);
-                (xf.broadcast_mul(cos)? + Tensor::cat(&[&b.neg()?, &a], 2)?.broadcast_mul(sin)?)?
-            }
-            RopeStyle::Interleaved => {
-                let pairs = xf.reshape((heads, n, half, 2))?;
-                let (a, b) = (pairs.narrow(3, 0, 1)?.squeeze(3)?, pairs.narrow(3, 1, 1)?.squeeze(3)?);
-                let ra = (a.broadcast_mul(cos)? - b.broadcast_mul(sin)?)?;
-                let rb = (a.broadcast_mul(sin)? + b.broadcast_mul(cos)?)?;
-                Tensor::stack(&[&ra, &rb], 3)?.reshape((heads, n, d))?
-            }
+            RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)?,
         };
-        Ok(rotated.to_dtype(x.dtype())?)
+        Ok(rotated.squeeze(0)?)
     }
 }
 
 /// Causal grouped-query attention of queries `q` `[heads, n, d]` at positions `start..start + n` over keys and
-/// values `[kv_heads, start + n, d]`; returns `[n, heads · d]`. Scores and softmax in f32.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Tensor> {
+/// values `[kv_heads, start + n, d]` (views of the cache); returns `[n, heads · d]`. Each key/value head serves its
+/// group of query heads as one product (no repeated copy of the cache); softmax accumulates in f32.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
-    let (k, v) = (grouped(k, heads)?, grouped(v, heads)?);
-    let total = k.dim(1)?;
-    let mut scores = (q.to_dtype(DType::F32)?.matmul(&k.t()?)? / (d as f64).sqrt())?;
+    let (kv_heads, total, _) = k.dims3()?;
+    let group = heads / kv_heads;
+    // Query heads h = kv · group + j: rows of one key/value head's group are contiguous.
+    let q = q.reshape((kv_heads, group * n, d))?;
+    let mut scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
     if n > 1 {
-        scores = scores.broadcast_add(&causal_mask(n, total, start, false, q.device())?)?;
+        let mask = causal_mask(n, total, start, false, q.device())?.to_dtype(q.dtype())?;
+        scores = scores.reshape((kv_heads, group, n, total))?.broadcast_add(&mask)?.reshape((kv_heads, group * n, total))?;
     }
-    let out = softmax(&scores)?.matmul(&v)?;
-    Ok(out.transpose(0, 1)?.reshape((n, heads * d))?.to_dtype(q.dtype())?)
-}
-
-/// Attention as a draft step sees it after its first draft: query row i attends to the context rows `k`, `v` before
-/// it (0..i, computed from true target features) and to its own row `k_own`, `v_own` (computed from a predicted
-/// feature), all `[kv_heads, n, d]` for queries `[heads, n, d]` at positions 0..n; returns `[n, heads · d]`. Scores
-/// and softmax in f32, as in `attention`.
-pub fn attention_after_context(q: &Tensor, k: &Tensor, v: &Tensor, k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
-    let (heads, n, d) = q.dims3()?;
-    let (k, v, k_own, v_own) = (grouped(k, heads)?, grouped(v, heads)?, grouped(k_own, heads)?, grouped(v_own, heads)?);
-    let qf = q.to_dtype(DType::F32)?;
-    let scale = (d as f64).sqrt();
-    let context = (qf.matmul(&k.t()?)? / scale)?.broadcast_add(&causal_mask(n, n, 0, true, q.device())?)?;
-    let own = ((&qf * &k_own)?.sum_keepdim(2)? / scale)?;
-    let p = softmax(&Tensor::cat(&[&context, &own], 2)?)?;
-    let out = (p.narrow(2, 0, n)?.matmul(&v)? + p.narrow(2, n, 1)?.broadcast_mul(&v_own)?)?;
-    Ok(out.transpose(0, 1)?.reshape((n, heads * d))?.to_dtype(q.dtype())?)
-}
-
-/// Keys or values `[kv_heads, n, d]` repeated for `heads` query heads (grouped-query attention), in f32.
-fn grouped(t: &Tensor, heads: usize) -> Result<Tensor> {
-    let (kv_heads, n, d) = t.dims3()?;
-    Ok(t.to_dtype(DType::F32)?.unsqueeze(1)?.broadcast_as((kv_heads, heads / kv_heads, n, d))?.reshape((heads, n, d))?)
+    let out = candle_nn::ops::softmax_last_dim(&scores)?.matmul(v)?;
+    Ok(out.reshape((heads, n, d))?.transpose(0, 1)?.reshape((n, heads * d))?)
 }
 
 /// −∞ where key j lies after query i at position start + i (`strict`: or at it), else 0: `[n, total]`.
-fn causal_mask(n: usize, total: usize, start: usize, strict: bool, device: &Device) -> Result<Tensor> {
+pub(crate) fn causal_mask(n: usize, total: usize, start: usize, strict: bool, device: &Device) -> Result<Tensor> {
     let hidden = move |i: usize, j: usize| j > start + i || (strict && j == start + i);
     let mask: Vec<f32> = (0..n).flat_map(|i| (0..total).map(move |j| if hidden(i, j) { f32::NEG_INFINITY } else { 0.0 })).collect();
     Ok(Tensor::from_vec(mask, (n, total), device)?)
@@ -175,8 +154,19 @@ pub struct Proj {
 impl Proj {
     /// The engine's projection, weights dequantized onto `device` in `dtype`.
     pub fn from_engine(p: &crate::engine::cpu::model::Linear, device: &Device, dtype: DType) -> Result<Proj> {
-        let b = p.bias.as_ref().map(|b| Tensor::from_slice(b, b.len(), device)?.to_dtype(dtype)).transpose()?;
-        Ok(Proj { w: dense(&p.weight, device, dtype)?, b })
+        Proj::stacked(&[p], device, dtype)
+    }
+
+    /// The engine's projections stacked as one (their outputs side by side): one product where there were several.
+    fn stacked(parts: &[&crate::engine::cpu::model::Linear], device: &Device, dtype: DType) -> Result<Proj> {
+        let w = parts.iter().map(|p| dense(&p.weight, device, dtype)).collect::<Result<Vec<_>>>()?;
+        let b = if parts.iter().any(|p| p.bias.is_some()) {
+            let bias: Vec<f32> = parts.iter().flat_map(|p| p.bias.clone().unwrap_or_else(|| vec![0.0; p.weight.rows])).collect();
+            Some(Tensor::from_vec(bias.clone(), bias.len(), device)?.to_dtype(dtype)?)
+        } else {
+            None
+        };
+        Ok(Proj { w: Tensor::cat(&w, 0)?, b })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -204,57 +194,52 @@ impl Random<'_> {
     }
 
     fn ones(&self, n: usize) -> Result<Tensor> {
-        Ok(Tensor::ones(n, DType::F32, self.device)?)
+        Ok(Tensor::ones(n, self.dtype, self.device)?)
     }
 }
 
-/// One decoder layer; EAGLE layers have no input norm.
+/// A norm's weights on the device, in the activations' dtype (what the fused kernel takes).
+pub(crate) fn norm_weights(w: &[f32], device: &Device, dtype: DType) -> Result<Tensor> {
+    Ok(Tensor::from_slice(w, w.len(), device)?.to_dtype(dtype)?)
+}
+
+/// One decoder layer; EAGLE layers have no input norm. Queries, keys and values are one product, as are gate and up.
 pub struct Layer {
     attn_norm: Option<Tensor>,
-    q: Proj,
-    k: Proj,
-    v: Proj,
+    qkv: Proj,
     o: Proj,
     ffn_norm: Tensor,
-    gate: Proj,
-    up: Proj,
+    gate_up: Proj,
     down: Proj,
 }
 
 impl Layer {
     pub fn from_engine(l: &crate::engine::cpu::model::Layer, device: &Device, dtype: DType) -> Result<Layer> {
-        let proj = |p| Proj::from_engine(p, device, dtype);
-        let norm = |w: &[f32]| Tensor::from_slice(w, w.len(), device);
+        let norm = |w: &[f32]| norm_weights(w, device, dtype);
         Ok(Layer {
             attn_norm: l.attn_norm.as_deref().map(norm).transpose()?,
-            q: proj(&l.q)?,
-            k: proj(&l.k)?,
-            v: proj(&l.v)?,
-            o: proj(&l.o)?,
+            qkv: Proj::stacked(&[&l.q, &l.k, &l.v], device, dtype)?,
+            o: Proj::from_engine(&l.o, device, dtype)?,
             ffn_norm: norm(&l.ffn_norm)?,
-            gate: proj(&l.gate)?,
-            up: proj(&l.up)?,
-            down: proj(&l.down)?,
+            gate_up: Proj::stacked(&[&l.gate, &l.up], device, dtype)?,
+            down: Proj::from_engine(&l.down, device, dtype)?,
         })
     }
 
     pub(crate) fn random(s: &Config, r: &Random, attn_norm: bool) -> Result<Layer> {
-        let (h, kv, i) = (s.hidden, s.kv_heads * s.head_dim, s.intermediate);
+        let (h, q, kv, i) = (s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate);
         Ok(Layer {
             attn_norm: if attn_norm { Some(r.ones(h)?) } else { None },
-            q: r.proj(s.heads * s.head_dim, h)?,
-            k: r.proj(kv, h)?,
-            v: r.proj(kv, h)?,
-            o: r.proj(h, s.heads * s.head_dim)?,
+            qkv: r.proj(q + 2 * kv, h)?,
+            o: r.proj(h, q)?,
             ffn_norm: r.ones(h)?,
-            gate: r.proj(i, h)?,
-            up: r.proj(i, h)?,
+            gate_up: r.proj(2 * i, h)?,
             down: r.proj(h, i)?,
         })
     }
 
-    /// `x` `[n, hidden]` at positions `start..`, appending its keys and values to `cache`. `attn_input` replaces
-    /// the (normed) stream as the attention's input (EAGLE-3).
+    /// `x` `[n, hidden]` at positions `start..`, writing its keys and values into `cache` there. `attn_input`
+    /// replaces the (normed) stream as the attention's input (EAGLE-3).
     pub fn forward(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
         let n = x.dim(0)?;
         let normed = match (attn_input, &self.attn_norm) {
@@ -262,39 +247,80 @@ impl Layer {
             (None, Some(w)) => rms_norm(x, w, s.rms_eps as f64)?,
             (None, None) => x.clone(),
         };
-        let heads = |t: Tensor, count: usize| -> Result<Tensor> { Ok(t.reshape((n, count, s.head_dim))?.transpose(0, 1)?.contiguous()?) };
-        let q = rope.apply(&heads(self.q.forward(&normed)?, s.heads)?)?;
-        let k = rope.apply(&heads(self.k.forward(&normed)?, s.kv_heads)?)?;
-        let v = heads(self.v.forward(&normed)?, s.kv_heads)?;
-        let (k, v) = cache.append(k, v)?;
+        let qkv = self.qkv.forward(&normed)?;
+        let d = s.head_dim;
+        // `[heads, n, d]`; a view without a copy when n = 1.
+        let heads = |from: usize, count: usize| -> Result<Tensor> { Ok(qkv.narrow(1, from * d, count * d)?.reshape((n, count, d))?.transpose(0, 1)?.contiguous()?) };
+        let q = rope.apply(&heads(0, s.heads)?)?;
+        let k = rope.apply(&heads(s.heads, s.kv_heads)?)?;
+        let v = heads(s.heads + s.kv_heads, s.kv_heads)?;
+        let (k, v) = cache.write(&k, &v, start)?;
         let x = (x + self.o.forward(&attention(&q, &k, &v, start)?)?)?;
         let m = rms_norm(&x, &self.ffn_norm, s.rms_eps as f64)?;
-        let act = (self.gate.forward(&m)?.silu()? * self.up.forward(&m)?)?;
+        let gate_up = self.gate_up.forward(&m)?;
+        let width = gate_up.dim(1)? / 2;
+        let act = (gate_up.narrow(1, 0, width)?.silu()? * gate_up.narrow(1, width, width)?)?;
         Ok((x + self.down.forward(&act)?)?)
     }
 }
 
-/// One layer's keys and values `[kv_heads, len, head_dim]`.
-#[derive(Default)]
+/// Rows along one dimension of a buffer allocated ahead and written in place. When a write would run past the end,
+/// the buffer doubles (one copy); positions past a write are stale and never read, so rolling back costs nothing.
+pub(crate) struct Rows {
+    buf: Option<Tensor>,
+    dim: usize,
+}
+
+impl Rows {
+    pub(crate) fn along(dim: usize) -> Rows {
+        Rows { buf: None, dim }
+    }
+
+    /// Put `rows` at `at..at + n` along the dimension, keeping `0..at`.
+    pub(crate) fn write(&mut self, at: usize, rows: &Tensor) -> Result<()> {
+        let n = rows.dim(self.dim)?;
+        let capacity = self.buf.as_ref().map_or(Ok(0), |b| b.dim(self.dim))?;
+        if at + n > capacity {
+            let mut dims = rows.dims().to_vec();
+            dims[self.dim] = (at + n).next_power_of_two().max(64);
+            let grown = Tensor::zeros(dims, rows.dtype(), rows.device())?;
+            if let (Some(old), true) = (&self.buf, at > 0) {
+                grown.slice_set(&old.narrow(self.dim, 0, at)?.contiguous()?, self.dim, 0)?;
+            }
+            self.buf = Some(grown);
+        }
+        let buf = self.buf.as_ref().expect("allocated above");
+        Ok(buf.slice_set(&rows.contiguous()?, self.dim, at)?)
+    }
+
+    /// Rows `start..start + n`, a view.
+    pub(crate) fn view(&self, start: usize, n: usize) -> Result<Tensor> {
+        match &self.buf {
+            Some(b) => Ok(b.narrow(self.dim, start, n)?),
+            None => bail!("no rows written yet"),
+        }
+    }
+}
+
+/// One layer's keys and values `[kv_heads, capacity, head_dim]`.
 pub struct LayerCache {
-    kv: Option<(Tensor, Tensor)>,
+    k: Rows,
+    v: Rows,
+}
+
+impl Default for LayerCache {
+    fn default() -> LayerCache {
+        LayerCache { k: Rows::along(1), v: Rows::along(1) }
+    }
 }
 
 impl LayerCache {
-    fn append(&mut self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
-        let kv = match self.kv.take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
-            None => (k, v),
-        };
-        self.kv = Some(kv.clone());
-        Ok(kv)
-    }
-
-    fn truncate(&mut self, len: usize) -> Result<()> {
-        if let Some((k, v)) = self.kv.take() {
-            self.kv = if len == 0 { None } else { Some((k.narrow(1, 0, len)?, v.narrow(1, 0, len)?)) };
-        }
-        Ok(())
+    /// Write keys and values `[kv_heads, n, d]` at positions `start..`; all keys and values up to them, as views.
+    fn write(&mut self, k: &Tensor, v: &Tensor, start: usize) -> Result<(Tensor, Tensor)> {
+        let n = k.dim(1)?;
+        self.k.write(start, k)?;
+        self.v.write(start, v)?;
+        Ok((self.k.view(0, start + n)?, self.v.view(0, start + n)?))
     }
 }
 
@@ -328,14 +354,9 @@ impl Cache {
         self.len += n;
     }
 
-    /// Forget positions `len..` (rejected drafts); nothing when the cache holds no more than `len`.
+    /// Forget positions `len..` (rejected drafts): the next forward writes over them.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
-        if len < self.len {
-            for l in &mut self.layers {
-                l.truncate(len)?;
-            }
-            self.len = len;
-        }
+        self.len = self.len.min(len);
         Ok(())
     }
 }
@@ -364,7 +385,7 @@ impl Llama {
             rope: Rope::of(&model.geometry),
             embed,
             layers: model.layers().iter().map(|l| Layer::from_engine(l, device, dtype)).collect::<Result<_>>()?,
-            norm: Tensor::from_slice(model.norm(), model.norm().len(), device)?,
+            norm: norm_weights(model.norm(), device, dtype)?,
             lm_head,
             dtype,
             device: device.clone(),
@@ -416,7 +437,7 @@ impl Llama {
         }
         let start = cache.len;
         let mut x = self.embed(tokens)?;
-        let rope = self.rope.at(start, tokens.len(), &self.device)?;
+        let rope = self.rope.at(start, tokens.len(), &self.device, self.dtype)?;
         let mut captured = vec![None; capture.len()];
         for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
             for (slot, _) in capture.iter().enumerate().filter(|(_, &l)| l == i) {
