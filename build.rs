@@ -1,7 +1,11 @@
 //! Records, for sweep manifests, the git commit the binary was built from and the versions of the crates that
-//! shape its numbers (read from Cargo.lock, which cargo itself does not expose to the crate).
+//! shape its numbers (read from Cargo.lock, which cargo itself does not expose to the crate). With feature `cuda`,
+//! builds the candle engine's own kernels to PTX with nvcc (as candle-kernels does for candle's).
 
 fn main() {
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        cuda_kernels();
+    }
     println!("cargo:rerun-if-changed=Cargo.lock");
     for git in [".git/HEAD", ".git/refs/heads", ".git/packed-refs"] {
         println!("cargo:rerun-if-changed={git}");
@@ -29,4 +33,21 @@ fn main() {
         }
     }
     println!("cargo:rustc-env=FRSPEC_CRATE_VERSIONS={}", versions.join(","));
+}
+
+/// src/engine/candle/kernels.cu → $OUT_DIR/frspec_kernels.ptx for compute capability $CUDA_COMPUTE_CAP (default 90).
+fn cuda_kernels() {
+    const SOURCE: &str = "src/engine/candle/kernels.cu";
+    println!("cargo:rerun-if-changed={SOURCE}");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let nvcc = std::env::var_os("CUDA_HOME").map_or_else(|| "nvcc".into(), |home| std::path::Path::new(&home).join("bin/nvcc"));
+    let out = std::path::Path::new(&std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("frspec_kernels.ptx");
+    let status = std::process::Command::new(&nvcc)
+        .args(["--ptx", "-O3", &format!("-arch=sm_{cap}"), "-o"])
+        .arg(&out)
+        .arg(SOURCE)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e} (scripts/cuda-toolchain.sh sets CUDA_HOME)", nvcc.display()));
+    assert!(status.success(), "nvcc failed on {SOURCE}");
 }

@@ -131,8 +131,9 @@ fn relative_error(a: &Tensor, b: &[f32]) -> f64 {
 
 #[test]
 fn fused_forward_agrees_with_the_engine_in_f32_and_bf16() {
-    // The candle forward (fused norms, RoPE and softmax, stacked projections, the cache written in place) against
-    // the CPU engine, prompt then a verification block over the cache: f32 to rounding, bf16 to its 8-bit mantissa.
+    // The candle forward (fused norms, RoPE, SiLU × up and one-token attention, stacked projections, the cache
+    // written in place) against the CPU engine, prompt, a verification block and one token over the cache: f32 to
+    // rounding, bf16 to its 8-bit mantissa.
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape { qkv_bias: true, ..Shape::tiny() };
     synthetic::write_model(dir.path(), &shape, 3, DType::F32).unwrap();
@@ -141,12 +142,16 @@ fn fused_forward_agrees_with_the_engine_in_f32_and_bf16() {
     let mut engine_cache = model.new_cache();
     model.forward(&prompt, &mut engine_cache, &[], &[]).unwrap();
     let expected = model.forward(&block, &mut engine_cache, &[], &[]).unwrap().hidden;
+    let expected_step = model.forward(&[77], &mut engine_cache, &[], &[]).unwrap().hidden;
     for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
         let llama = Llama::from_engine(&model, &Device::Cpu, dtype).unwrap();
         let mut cache = llama.new_cache();
         llama.forward(&prompt, &mut cache).unwrap();
         let error = relative_error(&llama.forward(&block, &mut cache).unwrap(), &expected);
-        assert!(error < tolerance, "{dtype:?}: relative error {error}");
+        assert!(error < tolerance, "{dtype:?}: block, relative error {error}");
+        // One token: the decode step's own attention.
+        let error = relative_error(&llama.forward(&[77], &mut cache).unwrap(), &expected_step);
+        assert!(error < tolerance, "{dtype:?}: one token, relative error {error}");
     }
 }
 

@@ -3,6 +3,7 @@
 
 use super::{median, median_secs, HeadPoint, Roofline};
 use crate::engine::candle::draft::DraftWeights;
+use crate::engine::candle::HEAD_ROW_MULTIPLE;
 use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Llama};
 use crate::engine::cpu::model::{Config, Model};
 use crate::sampling::Sampling;
@@ -63,19 +64,28 @@ fn read_rate(device: &Device, bytes: usize, mut pass: impl FnMut() -> Result<Ten
     Ok(bytes as f64 / secs)
 }
 
-/// `bench head` on a device: draft logits `[B, H] × [H, V′]` in `dtype` (weights and activations), candle's matmul.
+/// `bench head` on a device: draft logits `[B, H] × [H, V′]` in `dtype` (weights and activations), candle's matmul,
+/// over the kept rows padded to a multiple of 128 as the engine stores them (`DeviceHead`), and over exactly the kept
+/// rows for comparison. Bytes count the rows read, useful FLOPs the kept rows.
 pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], device: &Device, dtype: DType, roof: Roofline) -> Result<Vec<HeadPoint>> {
     let mut points = Vec::new();
     for &ratio in ratios {
         let kept = crate::vocab::kept_for_ratio(ratio, vocab);
-        let w = Tensor::randn(0f32, 0.02, (kept, hidden), device)?.to_dtype(dtype)?;
+        let stored = kept.next_multiple_of(HEAD_ROW_MULTIPLE);
+        let padded = Tensor::randn(0f32, 0.02, (stored, hidden), device)?.to_dtype(dtype)?;
+        let exact = padded.narrow(0, 0, kept)?.contiguous()?;
         for &b in batches {
             let x = Tensor::randn(0f32, 1.0, (b, hidden), device)?.to_dtype(dtype)?;
-            let secs = median_secs(|| {
-                std::hint::black_box(x.matmul(&w.t()?)?);
-                Ok(device.synchronize()?)
-            })?;
-            points.push(HeadPoint::new(ratio, kept, b, hidden, dtype.as_str(), kept * hidden * dtype.size_in_bytes(), dtype.size_in_bytes(), secs, roof));
+            let time = |w: &Tensor| {
+                median_secs(|| {
+                    std::hint::black_box(x.matmul(&w.t()?)?);
+                    Ok(device.synchronize()?)
+                })
+            };
+            let secs = time(&padded)?;
+            let mut point = HeadPoint::new(ratio, kept, b, hidden, dtype.as_str(), stored * hidden * dtype.size_in_bytes(), dtype.size_in_bytes(), secs, roof);
+            point.unpadded_secs = Some(time(&exact)?);
+            points.push(point);
         }
     }
     Ok(points)

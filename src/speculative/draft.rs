@@ -97,6 +97,15 @@ impl<M: HeadRows> DraftHead<M> {
         Ok(())
     }
 
+    /// The head-space index of the largest logit (what `logits` then `argmax` give).
+    pub fn argmax(&self, hidden: &M::Row, logits: &mut Vec<f32>, scratch: &mut M::Scratch) -> Result<usize> {
+        if self.mask.is_some() {
+            self.logits(hidden, logits, scratch)?;
+            return Ok(argmax(logits) as usize);
+        }
+        self.sliced.as_ref().map_or(&self.lm.matrix, |(m, _)| m).argmax(hidden, logits, scratch)
+    }
+
     /// A hidden row of the head's width, for timing it.
     pub fn probe(&self) -> Result<M::Row> {
         self.lm.matrix.probe()
@@ -154,16 +163,16 @@ impl<M: HeadRows> Default for Chooser<M> {
 impl<M: HeadRows> Chooser<M> {
     /// Choose the next draft token from a hidden row and record it (with q) in `out`.
     fn choose(&mut self, head: &DraftHead<M>, hidden: &M::Row, mode: DraftMode, sampling: Sampling, rng: &mut dyn rand::Rng, out: &mut Proposal) -> Result<()> {
-        head.logits(hidden, &mut self.logits, &mut self.scratch)?;
         let step = out.tokens.len();
         if mode == DraftMode::Argmax || sampling.is_greedy() {
-            out.tokens.push(head.id(argmax(&self.logits) as usize));
+            out.tokens.push(head.id(head.argmax(hidden, &mut self.logits, &mut self.scratch)?));
             out.q_token.push(1.0);
             if out.q.len() > step {
                 out.q[step].clear();
             }
             return Ok(());
         }
+        head.logits(hidden, &mut self.logits, &mut self.scratch)?;
         if out.q.len() <= step {
             out.q.resize_with(step + 1, Vec::new);
         }

@@ -57,6 +57,12 @@ pub trait HeadRows: Sized {
     fn select_rows(&self, rows: &[u32]) -> Result<Self>;
     /// Logits of `row` over every row of the head, on the host.
     fn logits(&self, row: &Self::Row, out: &mut Vec<f32>, scratch: &mut Self::Scratch) -> Result<()>;
+    /// The row with the largest logit: by default through `logits` on the host (the lowest index wins a tie); an
+    /// engine may find it where the logits are and bring back one index.
+    fn argmax(&self, row: &Self::Row, logits: &mut Vec<f32>, scratch: &mut Self::Scratch) -> Result<usize> {
+        self.logits(row, logits, scratch)?;
+        Ok(crate::sampling::argmax(logits) as usize)
+    }
     /// A hidden row of the head's own width, for timing it (the values do not change the time).
     fn probe(&self) -> Result<Self::Row>;
 }

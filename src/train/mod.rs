@@ -365,7 +365,7 @@ fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], context: Op
     let mut start = 0;
     for (s, &n) in lens.iter().enumerate() {
         let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
-        let tables = rope.at(0, n, pairs.device(), pairs.dtype())?;
+        let tables = rope.at(0, n, pairs.device())?;
         let (qh, kh, vh) = (ops::rope(&tables, &heads(&qs, d.heads)?)?, ops::rope(&tables, &heads(&ks, d.kv_heads)?)?, heads(&vs, d.kv_heads)?);
         outs.push(match context {
             None => attention(&qh, &kh, &vh, 0)?,

@@ -142,7 +142,7 @@ impl EagleDraft<'_> {
         let pair = Tensor::cat(&[&self.target.embed(tokens)?, features], 1)?;
         let x = self.w.fc.forward(&pair)?;
         let start = self.cache.len();
-        let rope = self.w.rope.at(start, tokens.len(), &self.target.device, self.target.dtype)?;
+        let rope = self.w.rope.at(start, tokens.len(), &self.target.device)?;
         let out = self.w.layer.forward(&self.w.geometry, &rope, &x, None, self.cache.layer(0), start)?;
         self.cache.advance(tokens.len());
         Ok(out)
@@ -223,7 +223,7 @@ impl Eagle3Draft<'_> {
         let e = rms_norm(&self.target.embed(tokens)?, &self.w.input_norm, eps)?;
         let attn_input = Tensor::cat(&[&e, &rms_norm(g, &self.w.hidden_norm, eps)?], 1)?;
         let start = self.cache.len();
-        let rope = self.w.rope.at(start, tokens.len(), &self.target.device, self.target.dtype)?;
+        let rope = self.w.rope.at(start, tokens.len(), &self.target.device)?;
         let out = self.w.layer.forward(&self.w.geometry, &rope, g, Some(&attn_input), self.cache.layer(0), start)?;
         self.cache.advance(tokens.len());
         Ok(out)

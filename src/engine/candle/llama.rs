@@ -3,7 +3,8 @@
 //! not depend on the values, so a Llama-3.1-8B run needs no download).
 
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
-use anyhow::{bail, Result};
+use super::kernels::{decode_attention, rotate_qk, silu_mul, DECODE_ATTENTION_MAX_LEN};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Mutex;
 
@@ -78,46 +79,32 @@ impl Rope {
         Rope { inv_freq, style: RopeStyle::Halves, table: Mutex::new(None) }
     }
 
-    /// cos and sin `[n, head_dim / 2]` of positions `start..start + n` in `dtype`, for all layers of one forward.
-    pub fn at(&self, start: usize, n: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
+    /// cos and sin `[n, head_dim / 2]` (f32) of positions `start..start + n`, for all layers of one forward.
+    pub fn at(&self, start: usize, n: usize, device: &Device) -> Result<RopeTables> {
         let end = start + n;
         let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let fits = |t: &(Tensor, Tensor)| t.0.dim(0).is_ok_and(|len| len >= end) && t.0.dtype() == dtype && t.0.device().same_device(device);
+        let fits = |t: &(Tensor, Tensor)| t.0.dim(0).is_ok_and(|len| len >= end) && t.0.device().same_device(device);
         if !table.as_ref().is_some_and(fits) {
-            *table = Some(self.table(end.next_power_of_two().max(256), device, dtype)?);
+            *table = Some(self.table(end.next_power_of_two().max(256), device)?);
         }
         let (cos, sin) = table.as_ref().expect("just built");
         Ok(RopeTables { cos: cos.narrow(0, start, n)?, sin: sin.narrow(0, start, n)?, style: self.style })
     }
 
-    fn table(&self, positions: usize, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
+    fn table(&self, positions: usize, device: &Device) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
         // Angles formed in f32 and evaluated exactly, as the engine does.
         let angles: Vec<f64> = (0..positions).flat_map(|i| self.inv_freq.iter().map(move |f| (i as f32 * f) as f64)).collect();
-        let table = |f: fn(f64) -> f64| -> Result<Tensor> {
-            Ok(Tensor::from_vec(angles.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), (positions, half), device)?.to_dtype(dtype)?)
-        };
+        let table = |f: fn(f64) -> f64| -> Result<Tensor> { Ok(Tensor::from_vec(angles.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), (positions, half), device)?) };
         Ok((table(f64::cos)?, table(f64::sin)?))
     }
 }
 
-/// RoPE at a fixed run of positions: cos and sin `[n, head_dim / 2]`.
+/// RoPE at a fixed run of positions: cos and sin `[n, head_dim / 2]`, f32.
 pub struct RopeTables {
     pub cos: Tensor,
     pub sin: Tensor,
-    style: RopeStyle,
-}
-
-impl RopeTables {
-    /// Rotate `x` `[heads, n, head_dim]` (contiguous) with candle-nn's fused kernels.
-    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.unsqueeze(0)?;
-        let rotated = match self.style {
-            RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)?,
-        };
-        Ok(rotated.squeeze(0)?)
-    }
+    pub style: RopeStyle,
 }
 
 /// Causal grouped-query attention of queries `q` `[heads, n, d]` at positions `start..start + n` over keys and
@@ -248,19 +235,20 @@ impl Layer {
             (None, None) => x.clone(),
         };
         let qkv = self.qkv.forward(&normed)?;
-        let d = s.head_dim;
-        // `[heads, n, d]`; a view without a copy when n = 1.
-        let heads = |from: usize, count: usize| -> Result<Tensor> { Ok(qkv.narrow(1, from * d, count * d)?.reshape((n, count, d))?.transpose(0, 1)?.contiguous()?) };
-        let q = rope.apply(&heads(0, s.heads)?)?;
-        let k = rope.apply(&heads(s.heads, s.kv_heads)?)?;
-        let v = heads(s.heads + s.kv_heads, s.kv_heads)?;
-        let (k, v) = cache.write(&k, &v, start)?;
-        let x = (x + self.o.forward(&attention(&q, &k, &v, start)?)?)?;
+        let (d, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
+        rotate_qk(&qkv, &rope.cos, &rope.sin, heads + kv_heads, d, rope.style)?;
+        // A row's keys and values lie side by side: the cache's `[2, kv_heads, n, d]` block (a view when n = 1).
+        cache.write(&qkv.narrow(1, heads * d, 2 * kv_heads * d)?.reshape((n, 2, kv_heads, d))?.permute((1, 2, 0, 3))?, start)?;
+        let (queries, len) = (qkv.narrow(1, 0, heads * d)?, start + n);
+        let attended = if n == 1 && len <= DECODE_ATTENTION_MAX_LEN {
+            decode_attention(&queries, cache.buffer()?, len)?
+        } else {
+            let (k, v) = cache.keys_values(len)?;
+            attention(&queries.reshape((n, heads, d))?.transpose(0, 1)?.contiguous()?, &k, &v, start)?
+        };
+        let x = (x + self.o.forward(&attended)?)?;
         let m = rms_norm(&x, &self.ffn_norm, s.rms_eps as f64)?;
-        let gate_up = self.gate_up.forward(&m)?;
-        let width = gate_up.dim(1)? / 2;
-        let act = (gate_up.narrow(1, 0, width)?.silu()? * gate_up.narrow(1, width, width)?)?;
-        Ok((x + self.down.forward(&act)?)?)
+        Ok((x + self.down.forward(&silu_mul(&self.gate_up.forward(&m)?)?)?)?)
     }
 }
 
@@ -295,32 +283,41 @@ impl Rows {
 
     /// Rows `start..start + n`, a view.
     pub(crate) fn view(&self, start: usize, n: usize) -> Result<Tensor> {
-        match &self.buf {
-            Some(b) => Ok(b.narrow(self.dim, start, n)?),
-            None => bail!("no rows written yet"),
-        }
+        Ok(self.buffer()?.narrow(self.dim, start, n)?)
+    }
+
+    /// The whole buffer, filled or not.
+    pub(crate) fn buffer(&self) -> Result<&Tensor> {
+        self.buf.as_ref().context("no rows written yet")
     }
 }
 
-/// One layer's keys and values `[kv_heads, capacity, head_dim]`.
+/// One layer's keys and values, `[2, kv_heads, capacity, head_dim]` (keys, then values).
 pub struct LayerCache {
-    k: Rows,
-    v: Rows,
+    kv: Rows,
 }
 
 impl Default for LayerCache {
     fn default() -> LayerCache {
-        LayerCache { k: Rows::along(1), v: Rows::along(1) }
+        LayerCache { kv: Rows::along(2) }
     }
 }
 
 impl LayerCache {
-    /// Write keys and values `[kv_heads, n, d]` at positions `start..`; all keys and values up to them, as views.
-    fn write(&mut self, k: &Tensor, v: &Tensor, start: usize) -> Result<(Tensor, Tensor)> {
-        let n = k.dim(1)?;
-        self.k.write(start, k)?;
-        self.v.write(start, v)?;
-        Ok((self.k.view(0, start + n)?, self.v.view(0, start + n)?))
+    /// Write keys and values `[2, kv_heads, n, d]` at positions `start..`.
+    fn write(&mut self, kv: &Tensor, start: usize) -> Result<()> {
+        self.kv.write(start, kv)
+    }
+
+    /// The whole buffer, filled or not.
+    fn buffer(&self) -> Result<&Tensor> {
+        self.kv.buffer()
+    }
+
+    /// Keys and values of positions `0..len`, `[kv_heads, len, d]` each, as views.
+    fn keys_values(&self, len: usize) -> Result<(Tensor, Tensor)> {
+        let kv = self.kv.view(0, len)?;
+        Ok((kv.get(0)?, kv.get(1)?))
     }
 }
 
@@ -437,7 +434,7 @@ impl Llama {
         }
         let start = cache.len;
         let mut x = self.embed(tokens)?;
-        let rope = self.rope.at(start, tokens.len(), &self.device, self.dtype)?;
+        let rope = self.rope.at(start, tokens.len(), &self.device)?;
         let mut captured = vec![None; capture.len()];
         for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
             for (slot, _) in capture.iter().enumerate().filter(|(_, &l)| l == i) {

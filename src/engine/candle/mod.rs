@@ -4,6 +4,7 @@
 //! weights, bit-exact blocks); this one trades that for what a GPU runs fast, and is checked against it.
 
 pub mod draft;
+pub mod kernels;
 pub mod llama;
 
 use crate::speculative::{HeadRows, Positions, TargetModel};
@@ -131,6 +132,11 @@ impl DeviceHead {
         DeviceHead { rows: matrix.dims()[0], matrix }
     }
 
+    /// Logits `[1, rows]` of a hidden row, on the device (the padding's cut off).
+    fn product(&self, row: &Tensor) -> Result<Tensor> {
+        Ok(row.matmul(&self.matrix.t()?)?.narrow(1, 0, self.rows)?)
+    }
+
     /// The rows stored on the device, padding included.
     pub fn stored_rows(&self) -> usize {
         self.matrix.dims()[0]
@@ -157,8 +163,14 @@ impl HeadRows for DeviceHead {
     }
 
     fn logits(&self, row: &Tensor, out: &mut Vec<f32>, _: &mut ()) -> Result<()> {
-        *out = row.matmul(&self.matrix.t()?)?.narrow(1, 0, self.rows)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        *out = self.product(row)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         Ok(())
+    }
+
+    /// Found on the device: one index comes back instead of a vocabulary of logits. Exact ties (rare in f32, less
+    /// so in bf16) may go to another of the tied rows than the host's lowest index.
+    fn argmax(&self, row: &Tensor, _: &mut Vec<f32>, _: &mut ()) -> Result<usize> {
+        Ok(self.product(row)?.argmax(candle_core::D::Minus1)?.flatten_all()?.to_vec1::<u32>()?[0] as usize)
     }
 
     fn probe(&self) -> Result<Tensor> {

@@ -1,0 +1,114 @@
+// frspec's own CUDA kernels for the candle engine's decode step, where candle and candle-nn have no fused op: RoPE of
+// queries and keys in place in the fused QKV row, SiLU(gate) × up, and one-token attention over the cache. Built to
+// PTX by build.rs (feature `cuda`); each has a CPU twin in kernels.rs, which the tests check against the CPU engine.
+// Arithmetic in f32 whatever the storage type.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+
+// Rows of qkv [n, width]: the first `heads` heads of head_dim d (queries, then keys) rotated in place with cos, sin
+// [n, d / 2] (f32). One block per (row, head).
+template <typename T>
+__device__ void rope_qk(T *qkv, const float *cos, const float *sin, int heads, int d, int width, int interleaved) {
+  const int row = blockIdx.x / heads, head = blockIdx.x % heads, half = d / 2;
+  T *x = qkv + (size_t)row * width + (size_t)head * d;
+  for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    const float c = cos[row * half + j], s = sin[row * half + j];
+    const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + half;
+    const float xa = to_f(x[a]), xb = to_f(x[b]);
+    x[a] = from_f<T>(xa * c - xb * s);
+    x[b] = from_f<T>(xa * s + xb * c);
+  }
+}
+
+// out [n, width] = silu(gate) * up of gate_up [n, 2 * width].
+template <typename T>
+__device__ void silu_mul(const T *gate_up, T *out, size_t n, size_t width) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n * width) return;
+  const size_t row = i / width, col = i % width;
+  const float g = to_f(gate_up[row * 2 * width + col]), u = to_f(gate_up[row * 2 * width + width + col]);
+  out[i] = from_f<T>(g / (1.0f + expf(-g)) * u);
+}
+
+// Sum (or max) over the block; every thread gets the result. blockDim.x is a multiple of 32, at most 1024.
+__device__ float block_reduce(float v, float *red, bool is_max) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffff, v, o);
+    v = is_max ? fmaxf(v, w) : v + w;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < warps ? red[lane] : (is_max ? -INFINITY : 0.0f);
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffff, v, o);
+    v = is_max ? fmaxf(v, w) : v + w;
+  }
+  return v;
+}
+
+// One query row q [heads, d] attending to positions 0..len of the cache kv [2, kv_heads, capacity, d] (keys, then
+// values); out [heads, d]. One block per query head; the scores live in dynamic shared memory (len + d floats).
+template <typename T>
+__device__ void decode_attention(const T *q, const T *kv, T *out, int heads, int kv_heads, int d, int capacity, int len, float scale) {
+  extern __shared__ float shared[];
+  __shared__ float red[32];
+  float *scores = shared, *qs = shared + len;
+  const int h = blockIdx.x, kvh = h / (heads / kv_heads);
+  const T *k = kv + (size_t)kvh * capacity * d;
+  const T *v = kv + ((size_t)kv_heads + kvh) * capacity * d;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = to_f(q[(size_t)h * d + i]);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int j = warp; j < len; j += warps) {
+    const T *kj = k + (size_t)j * d;
+    float acc = 0.0f;
+    for (int i = lane; i < d; i += 32) acc += qs[i] * to_f(kj[i]);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (lane == 0) scores[j] = acc * scale;
+  }
+  __syncthreads();
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, scores[j]);
+  m = block_reduce(m, red, true);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < len; j += blockDim.x) {
+    const float e = expf(scores[j] - m);
+    scores[j] = e;
+    sum += e;
+  }
+  sum = block_reduce(sum, red, false);
+  const float inv = 1.0f / sum;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < len; ++j) acc += scores[j] * to_f(v[(size_t)j * d + i]);
+    out[(size_t)h * d + i] = from_f<T>(acc * inv);
+  }
+}
+
+#define FRSPEC_KERNELS(T, NAME)                                                                                       \
+  extern "C" __global__ void rope_qk_##NAME(T *qkv, const float *cos, const float *sin, int heads, int d, int width, \
+                                            int interleaved) {                                                        \
+    rope_qk<T>(qkv, cos, sin, heads, d, width, interleaved);                                                         \
+  }                                                                                                                   \
+  extern "C" __global__ void silu_mul_##NAME(const T *gate_up, T *out, size_t n, size_t width) {                      \
+    silu_mul<T>(gate_up, out, n, width);                                                                              \
+  }                                                                                                                   \
+  extern "C" __global__ void decode_attention_##NAME(const T *q, const T *kv, T *out, int heads, int kv_heads, int d, \
+                                                     int capacity, int len, float scale) {                            \
+    decode_attention<T>(q, kv, out, heads, kv_heads, d, capacity, len, scale);                                        \
+  }
+
+FRSPEC_KERNELS(float, f32)
+FRSPEC_KERNELS(__nv_bfloat16, bf16)
+FRSPEC_KERNELS(__half, f16)

@@ -1,0 +1,267 @@
+//! Fused ops of the candle engine's forward that neither candle nor candle-nn has: each one replaces several kernel
+//! launches (and their output allocations) of a decode step. Written here because no crate offers them for candle;
+//! the CUDA kernels are in kernels.cu (built to PTX by build.rs with feature `cuda`), and each op has a CPU twin
+//! below, so the one forward runs on either device and the tests check it against the CPU engine. Arithmetic is in
+//! f32 whatever the storage dtype.
+
+use crate::engine::cpu::model::RopeStyle;
+use anyhow::Result;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, InplaceOp3, Layout, Shape, Tensor, WithDType};
+
+/// Rotate the first `heads` heads (queries, then keys) of every row of `qkv` `[n, width]` in place, row i with
+/// `cos`, `sin` `[n, head_dim / 2]` (f32). One launch where RoPE of queries and of keys took two, plus copies.
+pub fn rotate_qk(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize, head_dim: usize, style: RopeStyle) -> Result<()> {
+    Ok(qkv.inplace_op3(cos, sin, &RotateQk { heads, head_dim, interleaved: style == RopeStyle::Interleaved })?)
+}
+
+/// SiLU(gate) × up of `gate_up` `[n, 2 · width]` (gate, then up): `[n, width]`.
+pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
+    Ok(gate_up.apply_op1_no_bwd(&SiluMul)?)
+}
+
+/// The attention of one query row `q` `[1, heads · d]` over positions `0..len` of `kv`, a cache buffer
+/// `[2, kv_heads, capacity, d]` (keys, then values): `[1, heads · d]`. One launch where scores, scale, softmax and
+/// the weighted sum took four.
+pub fn decode_attention(q: &Tensor, kv: &Tensor, len: usize) -> Result<Tensor> {
+    let (_, kv_heads, capacity, d) = kv.dims4()?;
+    let heads = q.elem_count() / d;
+    Ok(q.apply_op2_no_bwd(kv, &DecodeAttention { heads, kv_heads, d, capacity, len })?)
+}
+
+/// The longest context `decode_attention` takes: its scores live in 48 KiB of shared memory on a GPU.
+pub const DECODE_ATTENTION_MAX_LEN: usize = 8192;
+
+struct RotateQk {
+    heads: usize,
+    head_dim: usize,
+    interleaved: bool,
+}
+
+struct SiluMul;
+
+struct DecodeAttention {
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    capacity: usize,
+    len: usize,
+}
+
+/// The contiguous elements a layout covers, or an error naming the op.
+fn span(l: &Layout, op: &str) -> candle_core::Result<(usize, usize)> {
+    l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{op}: operand must be contiguous")))
+}
+
+impl InplaceOp3 for RotateQk {
+    fn name(&self) -> &'static str {
+        "rotate-qk"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<()> {
+        let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, self.name())?, span(l2, self.name())?, span(l3, self.name())?);
+        let (CpuStorage::F32(cos), CpuStorage::F32(sin)) = (s2, s3) else {
+            candle_core::bail!("rotate-qk: cos and sin are f32")
+        };
+        let width = l1.dims()[1];
+        let (cos, sin) = (&cos[o2..e2], &sin[o3..e3]);
+        match s1 {
+            CpuStorage::F32(x) => self.rotate(&mut x[o1..e1], width, cos, sin),
+            CpuStorage::BF16(x) => self.rotate(&mut x[o1..e1], width, cos, sin),
+            CpuStorage::F16(x) => self.rotate(&mut x[o1..e1], width, cos, sin),
+            _ => candle_core::bail!("rotate-qk: f32, bf16 or f16 rows"),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &mut candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout, s3: &candle_core::CudaStorage, l3: &Layout) -> candle_core::Result<()> {
+        cuda::rotate_qk(self, s1, l1, s2, l2, s3, l3)
+    }
+}
+
+impl RotateQk {
+    fn rotate<T: WithDType>(&self, x: &mut [T], width: usize, cos: &[f32], sin: &[f32]) {
+        let (d, half) = (self.head_dim, self.head_dim / 2);
+        for (i, row) in x.chunks_exact_mut(width).enumerate() {
+            for head in row[..self.heads * d].chunks_exact_mut(d) {
+                for j in 0..half {
+                    let (c, s) = (cos[i * half + j], sin[i * half + j]);
+                    let (a, b) = if self.interleaved { (2 * j, 2 * j + 1) } else { (j, j + half) };
+                    let (xa, xb) = (head[a].to_f64() as f32, head[b].to_f64() as f32);
+                    head[a] = T::from_f64((xa * c - xb * s) as f64);
+                    head[b] = T::from_f64((xa * s + xb * c) as f64);
+                }
+            }
+        }
+    }
+}
+
+impl CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (o, e) = span(l, self.name())?;
+        let (n, width) = (l.dims()[0], l.dims()[1] / 2);
+        fn f<T: WithDType>(x: &[T], width: usize) -> Vec<T> {
+            let silu = |g: f32| g / (1.0 + (-g).exp());
+            x.chunks_exact(2 * width)
+                .flat_map(|row| (0..width).map(move |c| T::from_f64((silu(row[c].to_f64() as f32) * row[width + c].to_f64() as f32) as f64)))
+                .collect()
+        }
+        let out = match s {
+            CpuStorage::F32(x) => CpuStorage::F32(f(&x[o..e], width)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(f(&x[o..e], width)),
+            CpuStorage::F16(x) => CpuStorage::F16(f(&x[o..e], width)),
+            _ => candle_core::bail!("silu-mul: f32, bf16 or f16 rows"),
+        };
+        Ok((out, Shape::from((n, width))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::silu_mul(s, l)
+    }
+}
+
+impl CustomOp2 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let ((o1, e1), (o2, e2)) = (span(l1, self.name())?, span(l2, self.name())?);
+        let out = match (s1, s2) {
+            (CpuStorage::F32(q), CpuStorage::F32(kv)) => CpuStorage::F32(self.attend(&q[o1..e1], &kv[o2..e2])),
+            (CpuStorage::BF16(q), CpuStorage::BF16(kv)) => CpuStorage::BF16(self.attend(&q[o1..e1], &kv[o2..e2])),
+            (CpuStorage::F16(q), CpuStorage::F16(kv)) => CpuStorage::F16(self.attend(&q[o1..e1], &kv[o2..e2])),
+            _ => candle_core::bail!("decode-attention: f32, bf16 or f16 operands of one dtype"),
+        };
+        Ok((out, Shape::from((1, self.heads * self.d))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::decode_attention(self, s1, l1, s2, l2)
+    }
+}
+
+impl DecodeAttention {
+    fn attend<T: WithDType>(&self, q: &[T], kv: &[T]) -> Vec<T> {
+        let (d, group) = (self.d, self.heads / self.kv_heads);
+        let scale = 1.0 / (d as f32).sqrt();
+        let at = |plane: usize, head: usize, j: usize| &kv[((plane * self.kv_heads + head) * self.capacity + j) * d..][..d];
+        let mut out = Vec::with_capacity(self.heads * d);
+        let mut scores = vec![0f32; self.len];
+        for (h, qh) in q.chunks_exact(d).enumerate() {
+            for (j, s) in scores.iter_mut().enumerate() {
+                *s = qh.iter().zip(at(0, h / group, j)).map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32).sum::<f32>() * scale;
+            }
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            scores.iter_mut().for_each(|s| *s = (*s - max).exp());
+            let inv = 1.0 / scores.iter().sum::<f32>();
+            out.extend((0..d).map(|i| T::from_f64((scores.iter().enumerate().map(|(j, p)| p * at(1, h / group, j)[i].to_f64() as f32).sum::<f32>() * inv) as f64)));
+        }
+        out
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{span, DecodeAttention, RotateQk};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::backend::BackendStorage;
+    use candle_core::{builder_arg, CudaStorage, DType, Layout, Result, Shape};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/frspec_kernels.ptx"));
+
+    /// Launch `$kernel` for `$dtype` with its arguments pushed by `$push` (candle does not export its function type).
+    macro_rules! launch {
+        ($dev:expr, $kernel:literal, $dtype:expr, $config:expr, |$b:ident| { $($push:tt)* }) => {{
+            let f = $dev.get_or_load_custom_func(&format!("{}_{}", $kernel, $dtype.as_str()), "frspec_kernels", PTX)?;
+            let mut $b = f.builder();
+            $($push)*
+            // SAFETY: the arguments match the kernel's signature in kernels.cu; every index stays inside the views.
+            unsafe { $b.launch($config) }.w()?;
+        }};
+    }
+
+    fn grid(blocks: usize, threads: usize, shared: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: shared as u32 }
+    }
+
+    pub(super) fn rotate_qk(op: &RotateQk, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<()> {
+        fn typed<T: CudaDType + DeviceRepr>(op: &RotateQk, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<()> {
+            let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, "rotate-qk")?, span(l2, "rotate-qk")?, span(l3, "rotate-qk")?);
+            let (n, width) = (l1.dims()[0], l1.dims()[1]);
+            let (dev, dtype) = (s1.device.clone(), s1.dtype());
+            let (cos, sin) = (s2.as_cuda_slice::<f32>()?.slice(o2..e2), s3.as_cuda_slice::<f32>()?.slice(o3..e3));
+            let mut x = s1.as_cuda_slice_mut::<T>()?.slice_mut(o1..e1);
+            launch!(dev, "rope_qk", dtype, grid(n * op.heads, (op.head_dim / 2).clamp(32, 1024), 0), |b| {
+                b.arg(&mut x);
+                b.arg(&cos);
+                b.arg(&sin);
+                builder_arg!(b, op.heads as i32, op.head_dim as i32, width as i32, op.interleaved as i32);
+            });
+            Ok(())
+        }
+        match s1.dtype() {
+            DType::F32 => typed::<f32>(op, s1, l1, s2, l2, s3, l3),
+            DType::BF16 => typed::<half::bf16>(op, s1, l1, s2, l2, s3, l3),
+            DType::F16 => typed::<half::f16>(op, s1, l1, s2, l2, s3, l3),
+            other => candle_core::bail!("rotate-qk: no kernel for {other:?}"),
+        }
+    }
+
+    pub(super) fn silu_mul(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn typed<T: CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+            let (o, e) = span(l, "silu-mul")?;
+            let (n, width) = (l.dims()[0], l.dims()[1] / 2);
+            let dev = &s.device;
+            let x = s.as_cuda_slice::<T>()?.slice(o..e);
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n * width)? };
+            launch!(dev, "silu_mul", s.dtype(), grid((n * width).div_ceil(256), 256, 0), |b| {
+                b.arg(&x);
+                b.arg(&out);
+                builder_arg!(b, n, width);
+            });
+            Ok(T::wrap_cuda_slice(out, dev.clone()))
+        }
+        let out = match s.dtype() {
+            DType::F32 => typed::<f32>(s, l)?,
+            DType::BF16 => typed::<half::bf16>(s, l)?,
+            DType::F16 => typed::<half::f16>(s, l)?,
+            other => candle_core::bail!("silu-mul: no kernel for {other:?}"),
+        };
+        Ok((out, Shape::from((l.dims()[0], l.dims()[1] / 2))))
+    }
+
+    pub(super) fn decode_attention(op: &DecodeAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn typed<T: CudaDType + DeviceRepr>(op: &DecodeAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<CudaStorage> {
+            let ((o1, e1), (o2, e2)) = (span(l1, "decode-attention")?, span(l2, "decode-attention")?);
+            let dev = &s1.device;
+            let (q, kv) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2));
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(op.heads * op.d)? };
+            let scale = 1.0f32 / (op.d as f32).sqrt();
+            // Shared memory holds the len scores and the query row.
+            launch!(dev, "decode_attention", s1.dtype(), grid(op.heads, 128, 4 * (op.len + op.d)), |b| {
+                b.arg(&q);
+                b.arg(&kv);
+                b.arg(&out);
+                builder_arg!(b, op.heads as i32, op.kv_heads as i32, op.d as i32, op.capacity as i32, op.len as i32, scale);
+            });
+            Ok(T::wrap_cuda_slice(out, dev.clone()))
+        }
+        let out = match s1.dtype() {
+            DType::F32 => typed::<f32>(op, s1, l1, s2, l2)?,
+            DType::BF16 => typed::<half::bf16>(op, s1, l1, s2, l2)?,
+            DType::F16 => typed::<half::f16>(op, s1, l1, s2, l2)?,
+            other => candle_core::bail!("decode-attention: no kernel for {other:?}"),
+        };
+        Ok((out, Shape::from((1, op.heads * op.d))))
+    }
+}
