@@ -65,6 +65,7 @@ print(f"read bandwidth {bw / 1e9:.0f} GB/s; a step reads {b['weight_bytes_per_to
 print(f"{'what':<28} {'ms':>9} {'limit ms':>9} {'share':>7}")
 print(f"{'decode (1 token)':<28} {1e3 * b['decode_step_secs']:>9.3f} {1e3 * limit:>9.3f} {100 * b['bandwidth_share']:>6.1f}%   {b['decode_tok_s']:.1f} tokens/s")
 print(f"{'  host enqueue / synced':<28} {1e3 * b['decode_enqueue_secs']:>9.3f} {1e3 * b['decode_synced_secs']:>9.3f}")
+print(f"{'  synced, products attention':<28} {1e3 * b['decode_products_synced_secs']:>9.3f}")
 for v in b["verify"]:
     print(f"{'verify ' + str(v['tokens']) + ' tokens':<28} {1e3 * v['secs']:>9.3f} {1e3 * limit:>9.3f} {100 * v['share']:>6.1f}%")
 for d in b["drafts"]:

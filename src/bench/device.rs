@@ -4,7 +4,7 @@
 use super::{median, median_secs, HeadPoint, Roofline};
 use crate::engine::candle::draft::DraftWeights;
 use crate::engine::candle::HEAD_ROW_MULTIPLE;
-use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Llama};
+use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Cache, Llama, OneTokenAttention};
 use crate::engine::cpu::model::{Config, Model};
 use crate::sampling::Sampling;
 use crate::speculative::{speculative_turn, DraftHead, DraftMode, HeadMode, SpecConfig};
@@ -157,6 +157,9 @@ pub struct DeviceDecodeBench {
     /// once the device has finished it: when the two are close, launching the kernels is what bounds a step.
     pub decode_enqueue_secs: f64,
     pub decode_synced_secs: f64,
+    /// The same synced step with one-token attention through candle's products and softmax instead of the fused
+    /// kernel.
+    pub decode_products_synced_secs: f64,
     /// Seconds of one target-only decode step (1 / decode_tok_s).
     pub decode_step_secs: f64,
     pub acceptance_lengths: Vec<f64>,
@@ -207,7 +210,8 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         }
     }
     let decode_tok_s = median(&decode_runs);
-    let (decode_enqueue_secs, decode_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens)?;
+    let (decode_enqueue_secs, decode_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens, OneTokenAttention::Fused)?;
+    let (_, decode_products_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens, OneTokenAttention::Products)?;
 
     let weight_bytes = (streamed_parameters(&model.config) * model.dtype.size_in_bytes()) as f64;
     let device_bytes_per_sec = bandwidth(device)?;
@@ -304,6 +308,7 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         step_limit_secs,
         decode_enqueue_secs,
         decode_synced_secs,
+        decode_products_synced_secs,
         decode_step_secs,
         acceptance_lengths: s.acceptance_lengths.to_vec(),
         drafts,
@@ -313,8 +318,8 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
 
 /// Medians over `steps` one-token steps after `prompt` of the host time to enqueue a step and of the step's time
 /// until the device is done with it (the next token fixed, so nothing is read back).
-fn enqueue_and_step(model: &Llama, prompt: &[u32], steps: usize) -> Result<(f64, f64)> {
-    let mut cache = model.new_cache();
+fn enqueue_and_step(model: &Llama, prompt: &[u32], steps: usize, one_token: OneTokenAttention) -> Result<(f64, f64)> {
+    let mut cache = Cache::attending(model.config.layers, one_token);
     model.forward(prompt, &mut cache)?;
     let (mut enqueue, mut synced) = (Vec::new(), Vec::new());
     for _ in 0..steps {

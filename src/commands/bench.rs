@@ -101,6 +101,7 @@ pub fn decode(r: &Decode) -> Result<bool> {
         let limit_ms = 1e3 * b.step_limit_secs;
         println!("decode  {:>9.3} ms a token; the weight-streaming limit {limit_ms:.3} ms ({:.1} tokens/s)", 1e3 * b.decode_step_secs, 1.0 / b.step_limit_secs);
         println!("        {:>9.3} ms to enqueue a step on the host, {:.3} ms until the device has run it", 1e3 * b.decode_enqueue_secs, 1e3 * b.decode_synced_secs);
+        println!("        {:>9.3} ms a step with candle's products for one-token attention", 1e3 * b.decode_products_synced_secs);
         for v in &b.verify {
             println!("verify  {:>9.3} ms for {:>3} tokens = {:.1}% of the limit", 1e3 * v.secs, v.tokens, 100.0 * v.share);
         }

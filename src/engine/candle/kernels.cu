@@ -57,29 +57,48 @@ __device__ float block_reduce(float v, float *red, bool is_max) {
   return v;
 }
 
+// out [2, n, h]: out[0] = x + r (the residual stream, rounded to T), out[1] = its RMSNorm times w. One block per row.
+template <typename T>
+__device__ void add_rms_norm(const T *x, const T *r, const T *w, T *out, int n, int h, float eps) {
+  __shared__ float red[32];
+  const int row = blockIdx.x;
+  const T *xr = x + (size_t)row * h, *rr = r + (size_t)row * h;
+  T *sum = out + (size_t)row * h, *normed = out + ((size_t)n + row) * h;
+  float squares = 0.0f;
+  for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    const T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+    sum[i] = s;
+    squares += to_f(s) * to_f(s);
+  }
+  const float scale = rsqrtf(block_reduce(squares, red, false) / h + eps);
+  for (int i = threadIdx.x; i < h; i += blockDim.x) normed[i] = from_f<T>(to_f(sum[i]) * scale * to_f(w[i]));
+}
+
 // One query row q [heads, d] attending to positions 0..len of the cache kv [2, kv_heads, capacity, d] (keys, then
-// values); out [heads, d]. One block per query head; the scores live in dynamic shared memory (len + d floats).
+// values); out [heads, d]. One block per query head. Decode is latency-bound, so every thread keeps many independent
+// loads in flight: a thread per key for the scores (its row read whole, unrolled), then blockDim / d groups of threads
+// that each sum every G-th value row over all d columns (coalesced), and a sum of the groups' partials. Dynamic
+// shared memory: len scores, the query row, G × d partials.
 template <typename T>
 __device__ void decode_attention(const T *q, const T *kv, T *out, int heads, int kv_heads, int d, int capacity, int len, float scale) {
   extern __shared__ float shared[];
   __shared__ float red[32];
-  float *scores = shared, *qs = shared + len;
+  const int groups = blockDim.x / d;
+  float *scores = shared, *qs = shared + len, *partial = qs + d;
   const int h = blockIdx.x, kvh = h / (heads / kv_heads);
   const T *k = kv + (size_t)kvh * capacity * d;
   const T *v = kv + ((size_t)kv_heads + kvh) * capacity * d;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = to_f(q[(size_t)h * d + i]);
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int j = warp; j < len; j += warps) {
-    const T *kj = k + (size_t)j * d;
-    float acc = 0.0f;
-    for (int i = lane; i < d; i += 32) acc += qs[i] * to_f(kj[i]);
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-    if (lane == 0) scores[j] = acc * scale;
-  }
+  for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = to_f(q[(size_t)h * d + i]) * scale;
   __syncthreads();
   float m = -INFINITY;
-  for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, scores[j]);
+  for (int j = threadIdx.x; j < len; j += blockDim.x) {
+    const T *kj = k + (size_t)j * d;
+    float acc = 0.0f;
+#pragma unroll 16
+    for (int i = 0; i < d; ++i) acc += qs[i] * to_f(kj[i]);
+    scores[j] = acc;
+    m = fmaxf(m, acc);
+  }
   m = block_reduce(m, red, true);
   float sum = 0.0f;
   for (int j = threadIdx.x; j < len; j += blockDim.x) {
@@ -88,11 +107,18 @@ __device__ void decode_attention(const T *q, const T *kv, T *out, int heads, int
     sum += e;
   }
   sum = block_reduce(sum, red, false);
-  const float inv = 1.0f / sum;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+  const int g = threadIdx.x / d, i = threadIdx.x % d;
+  if (g < groups) {
     float acc = 0.0f;
-    for (int j = 0; j < len; ++j) acc += scores[j] * to_f(v[(size_t)j * d + i]);
-    out[(size_t)h * d + i] = from_f<T>(acc * inv);
+#pragma unroll 8
+    for (int j = g; j < len; j += groups) acc += scores[j] * to_f(v[(size_t)j * d + i]);
+    partial[g * d + i] = acc;
+  }
+  __syncthreads();
+  if (g == 0) {
+    float acc = 0.0f;
+    for (int p = 0; p < groups; ++p) acc += partial[p * d + i];
+    out[(size_t)h * d + i] = from_f<T>(acc / sum);
   }
 }
 
@@ -103,6 +129,9 @@ __device__ void decode_attention(const T *q, const T *kv, T *out, int heads, int
   }                                                                                                                   \
   extern "C" __global__ void silu_mul_##NAME(const T *gate_up, T *out, size_t n, size_t width) {                      \
     silu_mul<T>(gate_up, out, n, width);                                                                              \
+  }                                                                                                                   \
+  extern "C" __global__ void add_rms_norm_##NAME(const T *x, const T *r, const T *w, T *out, int n, int h, float eps) { \
+    add_rms_norm<T>(x, r, w, out, n, h, eps);                                                                         \
   }                                                                                                                   \
   extern "C" __global__ void decode_attention_##NAME(const T *q, const T *kv, T *out, int heads, int kv_heads, int d, \
                                                      int capacity, int len, float scale) {                            \

@@ -6,7 +6,7 @@
 
 use crate::engine::cpu::model::RopeStyle;
 use anyhow::Result;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, InplaceOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, InplaceOp3, Layout, Shape, Tensor, WithDType};
 
 /// Rotate the first `heads` heads (queries, then keys) of every row of `qkv` `[n, width]` in place, row i with
 /// `cos`, `sin` `[n, head_dim / 2]` (f32). One launch where RoPE of queries and of keys took two, plus copies.
@@ -19,6 +19,12 @@ pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
     Ok(gate_up.apply_op1_no_bwd(&SiluMul)?)
 }
 
+/// `x + r` and its RMSNorm times `w`, for `x`, `r` `[n, h]` and `w` `[h]`, as one `[2, n, h]` tensor (sum, then
+/// normed): the residual add and the norm after it in one launch.
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    Ok(x.apply_op3_no_bwd(r, w, &AddRmsNorm { eps })?)
+}
+
 /// The attention of one query row `q` `[1, heads · d]` over positions `0..len` of `kv`, a cache buffer
 /// `[2, kv_heads, capacity, d]` (keys, then values): `[1, heads · d]`. One launch where scores, scale, softmax and
 /// the weighted sum took four.
@@ -28,8 +34,12 @@ pub fn decode_attention(q: &Tensor, kv: &Tensor, len: usize) -> Result<Tensor> {
     Ok(q.apply_op2_no_bwd(kv, &DecodeAttention { heads, kv_heads, d, capacity, len })?)
 }
 
-/// The longest context `decode_attention` takes: its scores live in 48 KiB of shared memory on a GPU.
-pub const DECODE_ATTENTION_MAX_LEN: usize = 8192;
+/// Whether `decode_attention` takes `len` positions of head dimension `d`: its scores live in 48 KiB of shared
+/// memory on a GPU (with the query row and 1,024 partial sums), and past a few thousand positions one block per head
+/// no longer keeps up.
+pub fn decode_attention_fits(len: usize, d: usize) -> bool {
+    len <= 8192 && d <= 256
+}
 
 struct RotateQk {
     heads: usize,
@@ -38,6 +48,10 @@ struct RotateQk {
 }
 
 struct SiluMul;
+
+struct AddRmsNorm {
+    eps: f32,
+}
 
 struct DecodeAttention {
     heads: usize,
@@ -125,6 +139,43 @@ impl CustomOp1 for SiluMul {
     }
 }
 
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, self.name())?, span(l2, self.name())?, span(l3, self.name())?);
+        let (n, h) = (l1.dims()[0], l1.dims()[1]);
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(r), CpuStorage::F32(w)) => CpuStorage::F32(self.apply(&x[o1..e1], &r[o2..e2], &w[o3..e3])),
+            (CpuStorage::BF16(x), CpuStorage::BF16(r), CpuStorage::BF16(w)) => CpuStorage::BF16(self.apply(&x[o1..e1], &r[o2..e2], &w[o3..e3])),
+            (CpuStorage::F16(x), CpuStorage::F16(r), CpuStorage::F16(w)) => CpuStorage::F16(self.apply(&x[o1..e1], &r[o2..e2], &w[o3..e3])),
+            _ => candle_core::bail!("add-rms-norm: f32, bf16 or f16 operands of one dtype"),
+        };
+        Ok((out, Shape::from((2, n, h))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout, s3: &candle_core::CudaStorage, l3: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::add_rms_norm(self, s1, l1, s2, l2, s3, l3)
+    }
+}
+
+impl AddRmsNorm {
+    fn apply<T: WithDType>(&self, x: &[T], r: &[T], w: &[T]) -> Vec<T> {
+        let h = w.len();
+        let sum: Vec<T> = x.iter().zip(r).map(|(a, b)| T::from_f64((a.to_f64() as f32 + b.to_f64() as f32) as f64)).collect();
+        let mut normed = Vec::with_capacity(sum.len());
+        for row in sum.chunks_exact(h) {
+            let squares: f32 = row.iter().map(|v| (v.to_f64() as f32).powi(2)).sum();
+            let scale = 1.0 / (squares / h as f32 + self.eps).sqrt();
+            normed.extend(row.iter().zip(w).map(|(v, w)| T::from_f64((v.to_f64() as f32 * scale * w.to_f64() as f32) as f64)));
+        }
+        [sum, normed].concat()
+    }
+}
+
 impl CustomOp2 for DecodeAttention {
     fn name(&self) -> &'static str {
         "decode-attention"
@@ -169,7 +220,7 @@ impl DecodeAttention {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{span, DecodeAttention, RotateQk};
+    use super::{span, AddRmsNorm, DecodeAttention, RotateQk};
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::backend::BackendStorage;
@@ -239,6 +290,32 @@ mod cuda {
         Ok((out, Shape::from((l.dims()[0], l.dims()[1] / 2))))
     }
 
+    pub(super) fn add_rms_norm(op: &AddRmsNorm, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn typed<T: CudaDType + DeviceRepr>(op: &AddRmsNorm, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<CudaStorage> {
+            let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, "add-rms-norm")?, span(l2, "add-rms-norm")?, span(l3, "add-rms-norm")?);
+            let (n, h) = (l1.dims()[0], l1.dims()[1]);
+            let dev = &s1.device;
+            let (x, r, w) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<T>()?.slice(o3..e3));
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(2 * n * h)? };
+            launch!(dev, "add_rms_norm", s1.dtype(), grid(n, 1024, 0), |b| {
+                b.arg(&x);
+                b.arg(&r);
+                b.arg(&w);
+                b.arg(&out);
+                builder_arg!(b, n as i32, h as i32, op.eps);
+            });
+            Ok(T::wrap_cuda_slice(out, dev.clone()))
+        }
+        let out = match s1.dtype() {
+            DType::F32 => typed::<f32>(op, s1, l1, s2, l2, s3, l3)?,
+            DType::BF16 => typed::<half::bf16>(op, s1, l1, s2, l2, s3, l3)?,
+            DType::F16 => typed::<half::f16>(op, s1, l1, s2, l2, s3, l3)?,
+            other => candle_core::bail!("add-rms-norm: no kernel for {other:?}"),
+        };
+        Ok((out, Shape::from((2, l1.dims()[0], l1.dims()[1]))))
+    }
+
     pub(super) fn decode_attention(op: &DecodeAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
         fn typed<T: CudaDType + DeviceRepr>(op: &DecodeAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<CudaStorage> {
             let ((o1, e1), (o2, e2)) = (span(l1, "decode-attention")?, span(l2, "decode-attention")?);
@@ -247,8 +324,9 @@ mod cuda {
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(op.heads * op.d)? };
             let scale = 1.0f32 / (op.d as f32).sqrt();
-            // Shared memory holds the len scores and the query row.
-            launch!(dev, "decode_attention", s1.dtype(), grid(op.heads, 128, 4 * (op.len + op.d)), |b| {
+            // Shared memory holds the len scores, the query row and a partial row per group of d threads.
+            let threads = 1024 / op.d * op.d;
+            launch!(dev, "decode_attention", s1.dtype(), grid(op.heads, threads, 4 * (op.len + op.d + threads)), |b| {
                 b.arg(&q);
                 b.arg(&kv);
                 b.arg(&out);

@@ -3,7 +3,8 @@
 //! not depend on the values, so a Llama-3.1-8B run needs no download).
 
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
-use super::kernels::{decode_attention, rotate_qk, silu_mul, DECODE_ATTENTION_MAX_LEN};
+use super::kernels::{add_rms_norm, decode_attention, decode_attention_fits, rotate_qk, silu_mul};
+use serde::Serialize;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Mutex;
@@ -239,15 +240,9 @@ impl Layer {
         rotate_qk(&qkv, &rope.cos, &rope.sin, heads + kv_heads, d, rope.style)?;
         // A row's keys and values lie side by side: the cache's `[2, kv_heads, n, d]` block (a view when n = 1).
         cache.write(&qkv.narrow(1, heads * d, 2 * kv_heads * d)?.reshape((n, 2, kv_heads, d))?.permute((1, 2, 0, 3))?, start)?;
-        let (queries, len) = (qkv.narrow(1, 0, heads * d)?, start + n);
-        let attended = if n == 1 && len <= DECODE_ATTENTION_MAX_LEN {
-            decode_attention(&queries, cache.buffer()?, len)?
-        } else {
-            let (k, v) = cache.keys_values(len)?;
-            attention(&queries.reshape((n, heads, d))?.transpose(0, 1)?.contiguous()?, &k, &v, start)?
-        };
-        let x = (x + self.o.forward(&attended)?)?;
-        let m = rms_norm(&x, &self.ffn_norm, s.rms_eps as f64)?;
+        let attended = cache.attend(&qkv.narrow(1, 0, heads * d)?, heads, start)?;
+        let stream_and_normed = add_rms_norm(x, &self.o.forward(&attended)?, &self.ffn_norm, s.rms_eps)?;
+        let (x, m) = (stream_and_normed.get(0)?, stream_and_normed.get(1)?);
         Ok((x + self.down.forward(&silu_mul(&self.gate_up.forward(&m)?)?)?)?)
     }
 }
@@ -292,32 +287,42 @@ impl Rows {
     }
 }
 
+/// How a one-token step attends to the cache: frspec's fused kernel, or candle's products and softmax as blocks of
+/// tokens do (kept so that `bench decode` can compare the two in one run).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OneTokenAttention {
+    #[default]
+    Fused,
+    Products,
+}
+
 /// One layer's keys and values, `[2, kv_heads, capacity, head_dim]` (keys, then values).
 pub struct LayerCache {
     kv: Rows,
-}
-
-impl Default for LayerCache {
-    fn default() -> LayerCache {
-        LayerCache { kv: Rows::along(2) }
-    }
+    one_token: OneTokenAttention,
 }
 
 impl LayerCache {
+    fn new(one_token: OneTokenAttention) -> LayerCache {
+        LayerCache { kv: Rows::along(2), one_token }
+    }
+
     /// Write keys and values `[2, kv_heads, n, d]` at positions `start..`.
     fn write(&mut self, kv: &Tensor, start: usize) -> Result<()> {
         self.kv.write(start, kv)
     }
 
-    /// The whole buffer, filled or not.
-    fn buffer(&self) -> Result<&Tensor> {
-        self.kv.buffer()
-    }
-
-    /// Keys and values of positions `0..len`, `[kv_heads, len, d]` each, as views.
-    fn keys_values(&self, len: usize) -> Result<(Tensor, Tensor)> {
+    /// The attention of query rows `[n, heads · d]` at positions `start..start + n` over the cache up to them:
+    /// `[n, heads · d]`.
+    fn attend(&self, queries: &Tensor, heads: usize, start: usize) -> Result<Tensor> {
+        let (n, width) = queries.dims2()?;
+        let (d, len) = (width / heads, start + n);
+        if n == 1 && self.one_token == OneTokenAttention::Fused && decode_attention_fits(len, d) {
+            return decode_attention(queries, self.kv.buffer()?, len);
+        }
         let kv = self.kv.view(0, len)?;
-        Ok((kv.get(0)?, kv.get(1)?))
+        attention(&queries.reshape((n, heads, d))?.transpose(0, 1)?.contiguous()?, &kv.get(0)?, &kv.get(1)?, start)
     }
 }
 
@@ -330,7 +335,12 @@ pub struct Cache {
 
 impl Cache {
     pub fn new(layers: usize) -> Cache {
-        Cache { layers: (0..layers).map(|_| LayerCache::default()).collect(), len: 0 }
+        Cache::attending(layers, OneTokenAttention::default())
+    }
+
+    /// A cache whose one-token steps attend as `one_token` says.
+    pub fn attending(layers: usize, one_token: OneTokenAttention) -> Cache {
+        Cache { layers: (0..layers).map(|_| LayerCache::new(one_token)).collect(), len: 0 }
     }
 
     pub fn len(&self) -> usize {
