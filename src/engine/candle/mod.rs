@@ -18,7 +18,16 @@ pub fn device(name: &str) -> Result<Device> {
         return Ok(Device::Cpu);
     };
     // candle's CUDA errors carry a backtrace in their text; its first line says what failed.
-    Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("--device {name}: no usable GPU: {}", e.to_string().lines().next().unwrap_or_default()))
+    let device = Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("--device {name}: no usable GPU: {}", e.to_string().lines().next().unwrap_or_default()))?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = &device {
+        // SAFETY: frspec drives a device from one thread, so all its work runs on one stream, whose order alone keeps
+        // every use of a tensor before its free. cudarc's per-tensor events (a wait and a record for each operand of
+        // every launch) protect uses across streams, which never happen here, and cost host time on every kernel of
+        // a decode step.
+        unsafe { cuda.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 /// The GPU index `name` asks for (None for `cpu`), checked against this build without opening the device.
