@@ -174,3 +174,19 @@ fn padded_head_rows_give_the_unpadded_logits() {
         assert_eq!(argmax(&logits), argmax(&plain));
     }
 }
+
+#[test]
+fn matvec_equals_the_matrix_product() {
+    // The CPU twin of the GPU matrix-vector kernel that one-row products take there (kernels.cu runs only on a GPU;
+    // scripts/gpu-check.sh checks it through the greedy tokens and sweep records against the CPU engine).
+    let w = Tensor::randn(0f32, 1.0, (300, 256), &Device::Cpu).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (1, 256), &Device::Cpu).unwrap();
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+        let (w, x) = (w.to_dtype(dtype).unwrap(), x.to_dtype(dtype).unwrap());
+        let expected = x.to_dtype(DType::F32).unwrap().matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
+        let got = frspec::engine::candle::kernels::matvec(&x, &w).unwrap();
+        assert_eq!(got.dims(), &[1, 300]);
+        let error = relative_error(&got, &expected.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        assert!(error < tolerance, "{dtype:?}: relative error {error}");
+    }
+}

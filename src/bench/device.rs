@@ -3,6 +3,7 @@
 
 use super::{median, median_secs, HeadPoint, Roofline};
 use crate::engine::candle::draft::DraftWeights;
+use crate::engine::candle::kernels::product;
 use crate::engine::candle::HEAD_ROW_MULTIPLE;
 use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Cache, Llama, OneTokenAttention};
 use crate::engine::cpu::model::{Config, Model};
@@ -34,8 +35,9 @@ pub fn roofline(device: &Device, dtype: DType) -> Result<Roofline> {
     Ok(Roofline { bytes_per_sec: bandwidth(device)?, flops_per_sec: 2.0 * (n * n * n) as f64 / best })
 }
 
-/// Read bandwidth as measured on the device: the better of two read-only passes over 4 GiB of random values, row
-/// sums (what PyTorch's `sum` probe does) and a bf16 matrix-vector product (what a decode step is made of). On the
+/// Read bandwidth as measured on the device: the best of three read-only passes over 4 GiB of random values, row
+/// sums (what PyTorch's `sum` probe does) and a bf16 matrix-vector product (what a decode step is made of) through
+/// cuBLAS and through frspec's kernel. On the
 /// CPU, the CPU's read probe. An elementwise pass is not a read probe: it also writes, and through candle it reached
 /// only 632–678 GB/s on an H200 where reads run at 4,220 GB/s.
 pub fn bandwidth(device: &Device) -> Result<f64> {
@@ -47,12 +49,12 @@ pub fn bandwidth(device: &Device) -> Result<f64> {
         let x = Tensor::randn(0f32, 1.0, (rows, cols), device)?;
         read_rate(device, x.elem_count() * 4, || Ok(x.sum_keepdim(1)?))?
     };
-    let matvec = {
+    let (cublas, frspec) = {
         let w = Tensor::randn(0f32, 1.0, (2 * rows * cols / 4096, 4096), device)?.to_dtype(DType::BF16)?;
         let v = Tensor::randn(0f32, 1.0, (1, 4096), device)?.to_dtype(DType::BF16)?;
-        read_rate(device, w.elem_count() * 2, || Ok(v.matmul(&w.t()?)?))?
+        (read_rate(device, w.elem_count() * 2, || Ok(v.matmul(&w.t()?)?))?, read_rate(device, w.elem_count() * 2, || product(&v, &w))?)
     };
-    Ok(rowsums.max(matvec))
+    Ok(rowsums.max(cublas).max(frspec))
 }
 
 /// Bytes per second of `pass`, which reads `bytes` once, median of several runs.
@@ -64,9 +66,10 @@ fn read_rate(device: &Device, bytes: usize, mut pass: impl FnMut() -> Result<Ten
     Ok(bytes as f64 / secs)
 }
 
-/// `bench head` on a device: draft logits `[B, H] × [H, V′]` in `dtype` (weights and activations), candle's matmul,
-/// over the kept rows padded to a multiple of 128 as the engine stores them (`DeviceHead`), and over exactly the kept
-/// rows for comparison. Bytes count the rows read, useful FLOPs the kept rows.
+/// `bench head` on a device: draft logits `[B, H] × [H, V′]` in `dtype` (weights and activations) as the engine
+/// computes them (`DeviceHead`: the kept rows padded to a multiple of 128; one row through frspec's matrix-vector
+/// kernel, more through candle's matmul), and through candle's matmul over exactly the kept rows for comparison.
+/// Bytes count the rows read, useful FLOPs the kept rows.
 pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], device: &Device, dtype: DType, roof: Roofline) -> Result<Vec<HeadPoint>> {
     let mut points = Vec::new();
     for &ratio in ratios {
@@ -76,15 +79,15 @@ pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], devi
         let exact = padded.narrow(0, 0, kept)?.contiguous()?;
         for &b in batches {
             let x = Tensor::randn(0f32, 1.0, (b, hidden), device)?.to_dtype(dtype)?;
-            let time = |w: &Tensor| {
+            let time = |f: &dyn Fn() -> Result<Tensor>| {
                 median_secs(|| {
-                    std::hint::black_box(x.matmul(&w.t()?)?);
+                    std::hint::black_box(f()?);
                     Ok(device.synchronize()?)
                 })
             };
-            let secs = time(&padded)?;
+            let secs = time(&|| product(&x, &padded))?;
             let mut point = HeadPoint::new(ratio, kept, b, hidden, dtype.as_str(), stored * hidden * dtype.size_in_bytes(), dtype.size_in_bytes(), secs, roof);
-            point.unpadded_secs = Some(time(&exact)?);
+            point.matmul_exact_secs = Some(time(&|| Ok(x.matmul(&exact.t()?)?))?);
             points.push(point);
         }
     }

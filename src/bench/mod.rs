@@ -291,10 +291,10 @@ pub struct HeadPoint {
     pub intensity: f64,
     /// Achieved FLOP/s ÷ what the roofline allows at this intensity: min(peak FLOP/s, intensity × bandwidth).
     pub roofline_share: f64,
-    /// On a device, where the kept rows are padded to a multiple of 128 as the engine stores them: the same product
-    /// over exactly the kept rows, for comparison.
+    /// On a device, where the engine pads the kept rows to a multiple of 128 and runs one row through its own
+    /// matrix-vector kernel: candle's matmul over exactly the kept rows (the head before either), for comparison.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub unpadded_secs: Option<f64>,
+    pub matmul_exact_secs: Option<f64>,
 }
 
 /// The machine's ceilings as measured here: read bandwidth of a 1 GiB buffer on every thread, and the best FLOP/s
@@ -376,7 +376,7 @@ impl HeadPoint {
             flops_per_sec: flops / secs,
             intensity,
             roofline_share: flops / secs / attainable,
-            unpadded_secs: None,
+            matmul_exact_secs: None,
         }
     }
 }

@@ -151,16 +151,16 @@ pub fn head(r: &Head) -> Result<()> {
     } else {
         let (dev, dt) = (candle::device(device)?, candle::dtype(dtype)?);
         let roof = crate::bench::device::roofline(&dev, dt)?;
-        (roof, crate::bench::device::head(hidden, vocab, r.batch, r.ratios, &dev, dt, roof)?, format!("{device}, candle matmul, kept rows padded to a multiple of 128"))
+        (roof, crate::bench::device::head(hidden, vocab, r.batch, r.ratios, &dev, dt, roof)?, format!("{device}, as the engine runs it (rows padded to 128; one row through frspec's kernel)"))
     };
     println!("H = {hidden}, V = {vocab}, {dtype} weights on {device}; roofline there: {:.1} GB/s, {:.1} GFLOP/s", roof.bytes_per_sec / 1e9, roof.flops_per_sec / 1e9);
-    let unpadded = points.iter().any(|p| p.unpadded_secs.is_some());
-    let unpadded_header = if unpadded { format!(" {:>12}", "unpadded ms") } else { String::new() };
-    println!("{:>6} {:>8} {:>6} {:>12} {:>10} {:>10} {:>10} {:>9}{unpadded_header}", "ratio", "kept", "batch", "median ms", "GB/s", "GFLOP/s", "FLOP/B", "roofline");
+    let compared = points.iter().any(|p| p.matmul_exact_secs.is_some());
+    let compared_header = if compared { format!(" {:>12}", "matmul ms") } else { String::new() };
+    println!("{:>6} {:>8} {:>6} {:>12} {:>10} {:>10} {:>10} {:>9}{compared_header}", "ratio", "kept", "batch", "median ms", "GB/s", "GFLOP/s", "FLOP/B", "roofline");
     for p in &points {
-        let unpadded = p.unpadded_secs.map_or(String::new(), |s| format!(" {:>12.4}", 1e3 * s));
+        let compared = p.matmul_exact_secs.map_or(String::new(), |s| format!(" {:>12.4}", 1e3 * s));
         println!(
-            "{:>6} {:>8} {:>6} {:>12.4} {:>10.2} {:>10.2} {:>10.2} {:>8.1}%{unpadded}",
+            "{:>6} {:>8} {:>6} {:>12.4} {:>10.2} {:>10.2} {:>10.2} {:>8.1}%{compared}",
             p.ratio,
             p.kept,
             p.batch,

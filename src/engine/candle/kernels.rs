@@ -19,6 +19,23 @@ pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
     Ok(gate_up.apply_op1_no_bwd(&SiluMul)?)
 }
 
+/// `x · wᵀ` for `x` `[b, k]`, `w` `[n, k]`: for one row on a GPU frspec's matrix-vector kernel (`matvec`), else
+/// candle's matmul (cuBLAS, or gemm on the CPU).
+pub fn product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let aligned = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0 && t.is_contiguous();
+    let (k, elem) = (w.dim(1)?, w.dtype().size_in_bytes());
+    if x.device().is_cuda() && x.dims()[0] == 1 && (k * elem) % 16 == 0 && aligned(x) && aligned(w) {
+        return matvec(x, w);
+    }
+    Ok(x.matmul(&w.t()?)?)
+}
+
+/// `x · wᵀ` for one row `x` `[1, k]` and `w` `[n, k]`, both contiguous: `[1, n]`. On a GPU, k · dtype size must be a
+/// multiple of 16 bytes and both operands 16-byte aligned (`product` checks).
+pub fn matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(w.apply_op2_no_bwd(x, &Matvec)?)
+}
+
 /// `x + r` and its RMSNorm times `w`, for `x`, `r` `[n, h]` and `w` `[h]`, as one `[2, n, h]` tensor (sum, then
 /// normed): the residual add and the norm after it in one launch.
 pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
@@ -48,6 +65,8 @@ struct RotateQk {
 }
 
 struct SiluMul;
+
+struct Matvec;
 
 struct AddRmsNorm {
     eps: f32,
@@ -136,6 +155,32 @@ impl CustomOp1 for SiluMul {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         cuda::silu_mul(s, l)
+    }
+}
+
+impl CustomOp2 for Matvec {
+    fn name(&self) -> &'static str {
+        "matvec"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let ((o1, e1), (o2, e2)) = (span(l1, self.name())?, span(l2, self.name())?);
+        let (n, k) = (l1.dims()[0], l1.dims()[1]);
+        fn f<T: WithDType>(w: &[T], x: &[T], k: usize) -> Vec<T> {
+            w.chunks_exact(k).map(|row| T::from_f64(row.iter().zip(x).map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32).sum::<f32>() as f64)).collect()
+        }
+        let out = match (s1, s2) {
+            (CpuStorage::F32(w), CpuStorage::F32(x)) => CpuStorage::F32(f(&w[o1..e1], &x[o2..e2], k)),
+            (CpuStorage::BF16(w), CpuStorage::BF16(x)) => CpuStorage::BF16(f(&w[o1..e1], &x[o2..e2], k)),
+            (CpuStorage::F16(w), CpuStorage::F16(x)) => CpuStorage::F16(f(&w[o1..e1], &x[o2..e2], k)),
+            _ => candle_core::bail!("matvec: f32, bf16 or f16 operands of one dtype"),
+        };
+        Ok((out, Shape::from((1, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::matvec(s1, l1, s2, l2)
     }
 }
 
@@ -288,6 +333,32 @@ mod cuda {
             other => candle_core::bail!("silu-mul: no kernel for {other:?}"),
         };
         Ok((out, Shape::from((l.dims()[0], l.dims()[1] / 2))))
+    }
+
+    pub(super) fn matvec(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn typed<T: CudaDType + DeviceRepr>(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<CudaStorage> {
+            let ((o1, e1), (o2, e2)) = (span(l1, "matvec")?, span(l2, "matvec")?);
+            let (n, k) = (l1.dims()[0], l1.dims()[1]);
+            let dev = &s1.device;
+            let (w, x) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2));
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n)? };
+            // A warp per row, 8 rows a block.
+            launch!(dev, "matvec", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
+                b.arg(&w);
+                b.arg(&x);
+                b.arg(&out);
+                builder_arg!(b, n as i32, k as i32);
+            });
+            Ok(T::wrap_cuda_slice(out, dev.clone()))
+        }
+        let out = match s1.dtype() {
+            DType::F32 => typed::<f32>(s1, l1, s2, l2)?,
+            DType::BF16 => typed::<half::bf16>(s1, l1, s2, l2)?,
+            DType::F16 => typed::<half::f16>(s1, l1, s2, l2)?,
+            other => candle_core::bail!("matvec: no kernel for {other:?}"),
+        };
+        Ok((out, Shape::from((1, l1.dims()[0]))))
     }
 
     pub(super) fn add_rms_norm(op: &AddRmsNorm, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<(CudaStorage, Shape)> {

@@ -3,7 +3,7 @@
 //! not depend on the values, so a Llama-3.1-8B run needs no download).
 
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
-use super::kernels::{add_rms_norm, decode_attention, decode_attention_fits, rotate_qk, silu_mul};
+use super::kernels::{add_rms_norm, decode_attention, decode_attention_fits, product, rotate_qk, silu_mul};
 use serde::Serialize;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
@@ -158,7 +158,7 @@ impl Proj {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.w.t()?)?;
+        let y = product(x, &self.w)?;
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -469,7 +469,7 @@ impl Llama {
 
     /// Full-vocabulary logits `[n, vocab]` of hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden.matmul(&self.lm_head.t()?)?)
+        product(hidden, &self.lm_head)
     }
 }
 

@@ -143,7 +143,7 @@ impl DeviceHead {
 
     /// Logits `[1, rows]` of a hidden row, on the device (the padding's cut off).
     fn product(&self, row: &Tensor) -> Result<Tensor> {
-        Ok(row.matmul(&self.matrix.t()?)?.narrow(1, 0, self.rows)?)
+        Ok(kernels::product(row, &self.matrix)?.narrow(1, 0, self.rows)?)
     }
 
     /// The rows stored on the device, padding included.
