@@ -176,17 +176,28 @@ fn padded_head_rows_give_the_unpadded_logits() {
 }
 
 #[test]
-fn matvec_equals_the_matrix_product() {
-    // The CPU twin of the GPU matrix-vector kernel that one-row products take there (kernels.cu runs only on a GPU;
-    // scripts/gpu-check.sh checks it through the greedy tokens and sweep records against the CPU engine).
+fn matvec_kernels_equal_the_ops_they_fold() {
+    // The CPU twins of the GPU matrix-vector kernels that one-row products take there (kernels.cu runs only on a
+    // GPU; scripts/gpu-check.sh checks those through greedy tokens and sweep records against the CPU engine): the
+    // plain product, the product of the RMS-normed row, and the product plus a residual.
+    use frspec::engine::candle::kernels::{matvec, matvec_normed, matvec_plus};
     let w = Tensor::randn(0f32, 1.0, (300, 256), &Device::Cpu).unwrap();
     let x = Tensor::randn(0f32, 1.0, (1, 256), &Device::Cpu).unwrap();
-    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
-        let (w, x) = (w.to_dtype(dtype).unwrap(), x.to_dtype(dtype).unwrap());
-        let expected = x.to_dtype(DType::F32).unwrap().matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
-        let got = frspec::engine::candle::kernels::matvec(&x, &w).unwrap();
+    let g = Tensor::randn(1f32, 0.1, 256, &Device::Cpu).unwrap();
+    let r = Tensor::randn(0f32, 1.0, (1, 300), &Device::Cpu).unwrap();
+    let product = |x: &Tensor| x.matmul(&w.t().unwrap()).unwrap();
+    let normed = candle_nn::ops::rms_norm_slow(&x, &g, 1e-5).unwrap();
+    let cases = [
+        (matvec(&x, &w).unwrap(), product(&x)),
+        (matvec_normed(&x, &g, 1e-5, &w).unwrap(), product(&normed)),
+        (matvec_plus(&x, &w, &r).unwrap(), (product(&x) + &r).unwrap()),
+    ];
+    for (i, (got, expected)) in cases.iter().enumerate() {
         assert_eq!(got.dims(), &[1, 300]);
-        let error = relative_error(&got, &expected.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-        assert!(error < tolerance, "{dtype:?}: relative error {error}");
+        let error = relative_error(got, &expected.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        assert!(error < 1e-5, "case {i}: relative error {error}");
     }
+    let bf16 = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let error = relative_error(&matvec_normed(&bf16(&x), &bf16(&g), 1e-5, &bf16(&w)).unwrap(), &product(&normed).flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    assert!(error < 1e-2, "bf16: relative error {error}");
 }

@@ -1,5 +1,6 @@
 // frspec's own CUDA kernels for the candle engine's decode step, where candle and candle-nn have no fused op: RoPE of
-// queries and keys in place in the fused QKV row, SiLU(gate) × up, and one-token attention over the cache. Built to
+// queries and keys in place in the fused QKV row, SiLU(gate) × up, one-token attention over the cache, and the
+// matrix-vector product (with the RMSNorm before it or the residual add after it folded in). Built to
 // PTX by build.rs (feature `cuda`); each has a CPU twin in kernels.rs, which the tests check against the CPU engine.
 // Arithmetic in f32 whatever the storage type.
 #include <cuda_bf16.h>
@@ -57,23 +58,6 @@ __device__ float block_reduce(float v, float *red, bool is_max) {
   return v;
 }
 
-// out [2, n, h]: out[0] = x + r (the residual stream, rounded to T), out[1] = its RMSNorm times w. One block per row.
-template <typename T>
-__device__ void add_rms_norm(const T *x, const T *r, const T *w, T *out, int n, int h, float eps) {
-  __shared__ float red[32];
-  const int row = blockIdx.x;
-  const T *xr = x + (size_t)row * h, *rr = r + (size_t)row * h;
-  T *sum = out + (size_t)row * h, *normed = out + ((size_t)n + row) * h;
-  float squares = 0.0f;
-  for (int i = threadIdx.x; i < h; i += blockDim.x) {
-    const T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
-    sum[i] = s;
-    squares += to_f(s) * to_f(s);
-  }
-  const float scale = rsqrtf(block_reduce(squares, red, false) / h + eps);
-  for (int i = threadIdx.x; i < h; i += blockDim.x) normed[i] = from_f<T>(to_f(sum[i]) * scale * to_f(w[i]));
-}
-
 // One query row q [heads, d] attending to positions 0..len of the cache kv [2, kv_heads, capacity, d] (keys, then
 // values); out [heads, d]. One block per query head. Decode is latency-bound, so every thread keeps many independent
 // loads in flight: a thread per key for the scores (its row read whole, unrolled), then blockDim / d groups of threads
@@ -124,25 +108,45 @@ __device__ void decode_attention(const T *q, const T *kv, T *out, int heads, int
 
 // y [n] = w [n, k] · x [k]: one warp per output row, each lane streaming 16-byte loads of its row, partial sums in
 // f32 reduced across the warp. cuBLAS's matrix-vector path reached 45–85% of the read bandwidth on an H200 for the
-// 30–500 MB matrices of a decode step; this one keeps many independent loads in flight per warp. k · sizeof(T) is
-// a multiple of 16 bytes and both operands 16-byte aligned (the caller checks).
-template <typename T>
-__device__ void matvec(const T *w, const T *x, T *y, int n, int k) {
+// 30–500 MB matrices of a decode step; this one keeps many independent loads in flight per warp. NORM: x is first
+// RMS-normed with weights g (each warp sums x² itself as it reads x, so the norm costs no launch of its own); RESIDUAL:
+// y = w · x + r. k · sizeof(T) is a multiple of 16 bytes and every operand 16-byte aligned (the caller checks).
+template <typename T, bool NORM, bool RESIDUAL>
+__device__ void matvec(const T *w, const T *x, const T *g, const T *r, T *y, int n, int k, float eps) {
   constexpr int V = 16 / sizeof(T);
   const int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
   if (row >= n) return;
   const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)row * k);
   const uint4 *xr = reinterpret_cast<const uint4 *>(x);
-  float acc = 0.0f;
+  const uint4 *gr = reinterpret_cast<const uint4 *>(g);
+  float acc = 0.0f, squares = 0.0f;
 #pragma unroll 4
   for (int c = lane; c < k / V; c += 32) {
     const uint4 wv = wr[c], xv = xr[c];
     const T *wp = reinterpret_cast<const T *>(&wv), *xp = reinterpret_cast<const T *>(&xv);
+    if (NORM) {
+      const uint4 gv = gr[c];
+      const T *gp = reinterpret_cast<const T *>(&gv);
 #pragma unroll
-    for (int e = 0; e < V; ++e) acc += to_f(wp[e]) * to_f(xp[e]);
+      for (int e = 0; e < V; ++e) {
+        const float xe = to_f(xp[e]);
+        acc += to_f(wp[e]) * xe * to_f(gp[e]);
+        squares += xe * xe;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc += to_f(wp[e]) * to_f(xp[e]);
+    }
   }
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-  if (lane == 0) y[row] = from_f<T>(acc);
+  for (int o = 16; o > 0; o >>= 1) {
+    acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (NORM) squares += __shfl_xor_sync(0xffffffff, squares, o);
+  }
+  if (lane == 0) {
+    if (NORM) acc *= rsqrtf(squares / k + eps);
+    if (RESIDUAL) acc += to_f(r[row]);
+    y[row] = from_f<T>(acc);
+  }
 }
 
 #define FRSPEC_KERNELS(T, NAME)                                                                                       \
@@ -153,10 +157,15 @@ __device__ void matvec(const T *w, const T *x, T *y, int n, int k) {
   extern "C" __global__ void silu_mul_##NAME(const T *gate_up, T *out, size_t n, size_t width) {                      \
     silu_mul<T>(gate_up, out, n, width);                                                                              \
   }                                                                                                                   \
-  extern "C" __global__ void add_rms_norm_##NAME(const T *x, const T *r, const T *w, T *out, int n, int h, float eps) { \
-    add_rms_norm<T>(x, r, w, out, n, h, eps);                                                                         \
+  extern "C" __global__ void matvec_##NAME(const T *w, const T *x, T *y, int n, int k) {                            \
+    matvec<T, false, false>(w, x, nullptr, nullptr, y, n, k, 0.0f);                                                   \
   }                                                                                                                   \
-  extern "C" __global__ void matvec_##NAME(const T *w, const T *x, T *y, int n, int k) { matvec<T>(w, x, y, n, k); } \
+  extern "C" __global__ void norm_matvec_##NAME(const T *w, const T *x, const T *g, T *y, int n, int k, float eps) {  \
+    matvec<T, true, false>(w, x, g, nullptr, y, n, k, eps);                                                           \
+  }                                                                                                                   \
+  extern "C" __global__ void matvec_add_##NAME(const T *w, const T *x, const T *r, T *y, int n, int k) {              \
+    matvec<T, false, true>(w, x, nullptr, r, y, n, k, 0.0f);                                                          \
+  }                                                                                                                   \
   extern "C" __global__ void decode_attention_##NAME(const T *q, const T *kv, T *out, int heads, int kv_heads, int d, \
                                                      int capacity, int len, float scale) {                            \
     decode_attention<T>(q, kv, out, heads, kv_heads, d, capacity, len, scale);                                        \

@@ -19,15 +19,38 @@ pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
     Ok(gate_up.apply_op1_no_bwd(&SiluMul)?)
 }
 
+/// Whether `x` · `w`ᵀ (and `others` beside them) runs through frspec's matrix-vector kernels: one row on a GPU, every
+/// operand contiguous and 16-byte aligned, rows a multiple of 16 bytes.
+fn takes_matvec(x: &Tensor, w: &Tensor, others: &[&Tensor]) -> Result<bool> {
+    let aligned = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0 && t.is_contiguous();
+    let row_bytes = w.dim(1)? * w.dtype().size_in_bytes();
+    Ok(x.device().is_cuda() && x.dims()[0] == 1 && row_bytes % 16 == 0 && aligned(x) && aligned(w) && others.iter().all(|t| aligned(t)))
+}
+
 /// `x · wᵀ` for `x` `[b, k]`, `w` `[n, k]`: for one row on a GPU frspec's matrix-vector kernel (`matvec`), else
 /// candle's matmul (cuBLAS, or gemm on the CPU).
 pub fn product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let aligned = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0 && t.is_contiguous();
-    let (k, elem) = (w.dim(1)?, w.dtype().size_in_bytes());
-    if x.device().is_cuda() && x.dims()[0] == 1 && (k * elem) % 16 == 0 && aligned(x) && aligned(w) {
+    if takes_matvec(x, w, &[])? {
         return matvec(x, w);
     }
     Ok(x.matmul(&w.t()?)?)
+}
+
+/// `rms_norm(x, g) · wᵀ`: for one row on a GPU the norm is folded into the matrix-vector kernel (no launch of its
+/// own, no normed row written), else candle-nn's norm and `product`.
+pub fn normed_product(x: &Tensor, g: &Tensor, eps: f32, w: &Tensor) -> Result<Tensor> {
+    if takes_matvec(x, w, &[g])? {
+        return matvec_normed(x, g, eps, w);
+    }
+    product(&candle_nn::ops::rms_norm(x, g, eps)?, w)
+}
+
+/// `x · wᵀ + r`: for one row on a GPU the residual add is folded into the matrix-vector kernel.
+pub fn product_plus(x: &Tensor, w: &Tensor, r: &Tensor) -> Result<Tensor> {
+    if takes_matvec(x, w, &[r])? {
+        return matvec_plus(x, w, r);
+    }
+    Ok((product(x, w)? + r)?)
 }
 
 /// `x · wᵀ` for one row `x` `[1, k]` and `w` `[n, k]`, both contiguous: `[1, n]`. On a GPU, k · dtype size must be a
@@ -36,10 +59,14 @@ pub fn matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(w.apply_op2_no_bwd(x, &Matvec)?)
 }
 
-/// `x + r` and its RMSNorm times `w`, for `x`, `r` `[n, h]` and `w` `[h]`, as one `[2, n, h]` tensor (sum, then
-/// normed): the residual add and the norm after it in one launch.
-pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
-    Ok(x.apply_op3_no_bwd(r, w, &AddRmsNorm { eps })?)
+/// `matvec` of `rms_norm(x, g)` (`normed_product` checks the operands).
+pub fn matvec_normed(x: &Tensor, g: &Tensor, eps: f32, w: &Tensor) -> Result<Tensor> {
+    Ok(w.apply_op3_no_bwd(x, g, &MatvecWith(Fold::Norm(eps)))?)
+}
+
+/// `matvec` plus `r` `[1, n]` (`product_plus` checks the operands).
+pub fn matvec_plus(x: &Tensor, w: &Tensor, r: &Tensor) -> Result<Tensor> {
+    Ok(w.apply_op3_no_bwd(x, r, &MatvecWith(Fold::Residual))?)
 }
 
 /// The attention of one query row `q` `[1, heads · d]` over positions `0..len` of `kv`, a cache buffer
@@ -68,9 +95,14 @@ struct SiluMul;
 
 struct Matvec;
 
-struct AddRmsNorm {
-    eps: f32,
+/// A matrix-vector product with the RMSNorm of x before it (weights and eps) or a residual added after it.
+#[derive(Clone, Copy)]
+enum Fold {
+    Norm(f32),
+    Residual,
 }
+
+struct MatvecWith(Fold);
 
 struct DecodeAttention {
     heads: usize,
@@ -184,40 +216,49 @@ impl CustomOp2 for Matvec {
     }
 }
 
-impl CustomOp3 for AddRmsNorm {
+impl CustomOp3 for MatvecWith {
     fn name(&self) -> &'static str {
-        "add-rms-norm"
+        match self.0 {
+            Fold::Norm(_) => "norm-matvec",
+            Fold::Residual => "matvec-add",
+        }
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, self.name())?, span(l2, self.name())?, span(l3, self.name())?);
-        let (n, h) = (l1.dims()[0], l1.dims()[1]);
+        let (n, k) = (l1.dims()[0], l1.dims()[1]);
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(r), CpuStorage::F32(w)) => CpuStorage::F32(self.apply(&x[o1..e1], &r[o2..e2], &w[o3..e3])),
-            (CpuStorage::BF16(x), CpuStorage::BF16(r), CpuStorage::BF16(w)) => CpuStorage::BF16(self.apply(&x[o1..e1], &r[o2..e2], &w[o3..e3])),
-            (CpuStorage::F16(x), CpuStorage::F16(r), CpuStorage::F16(w)) => CpuStorage::F16(self.apply(&x[o1..e1], &r[o2..e2], &w[o3..e3])),
-            _ => candle_core::bail!("add-rms-norm: f32, bf16 or f16 operands of one dtype"),
+            (CpuStorage::F32(w), CpuStorage::F32(x), CpuStorage::F32(z)) => CpuStorage::F32(self.apply(&w[o1..e1], &x[o2..e2], &z[o3..e3], k)),
+            (CpuStorage::BF16(w), CpuStorage::BF16(x), CpuStorage::BF16(z)) => CpuStorage::BF16(self.apply(&w[o1..e1], &x[o2..e2], &z[o3..e3], k)),
+            (CpuStorage::F16(w), CpuStorage::F16(x), CpuStorage::F16(z)) => CpuStorage::F16(self.apply(&w[o1..e1], &x[o2..e2], &z[o3..e3], k)),
+            _ => candle_core::bail!("{}: f32, bf16 or f16 operands of one dtype", self.name()),
         };
-        Ok((out, Shape::from((2, n, h))))
+        Ok((out, Shape::from((1, n))))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout, s3: &candle_core::CudaStorage, l3: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda::add_rms_norm(self, s1, l1, s2, l2, s3, l3)
+        cuda::matvec_with(self.0, s1, l1, s2, l2, s3, l3)
     }
 }
 
-impl AddRmsNorm {
-    fn apply<T: WithDType>(&self, x: &[T], r: &[T], w: &[T]) -> Vec<T> {
-        let h = w.len();
-        let sum: Vec<T> = x.iter().zip(r).map(|(a, b)| T::from_f64((a.to_f64() as f32 + b.to_f64() as f32) as f64)).collect();
-        let mut normed = Vec::with_capacity(sum.len());
-        for row in sum.chunks_exact(h) {
-            let squares: f32 = row.iter().map(|v| (v.to_f64() as f32).powi(2)).sum();
-            let scale = 1.0 / (squares / h as f32 + self.eps).sqrt();
-            normed.extend(row.iter().zip(w).map(|(v, w)| T::from_f64((v.to_f64() as f32 * scale * w.to_f64() as f32) as f64)));
-        }
-        [sum, normed].concat()
+impl MatvecWith {
+    /// `z` is the norm's weights or the residual.
+    fn apply<T: WithDType>(&self, w: &[T], x: &[T], z: &[T], k: usize) -> Vec<T> {
+        let f = |v: &T| v.to_f64() as f32;
+        w.chunks_exact(k)
+            .enumerate()
+            .map(|(row, wr)| {
+                let y = match self.0 {
+                    Fold::Norm(eps) => {
+                        let scale = 1.0 / (x.iter().map(|v| f(v).powi(2)).sum::<f32>() / k as f32 + eps).sqrt();
+                        wr.iter().zip(x).zip(z).map(|((a, b), g)| f(a) * f(b) * f(g)).sum::<f32>() * scale
+                    }
+                    Fold::Residual => wr.iter().zip(x).map(|(a, b)| f(a) * f(b)).sum::<f32>() + f(&z[row]),
+                };
+                T::from_f64(y as f64)
+            })
+            .collect()
     }
 }
 
@@ -265,7 +306,7 @@ impl DecodeAttention {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{span, AddRmsNorm, DecodeAttention, RotateQk};
+    use super::{span, DecodeAttention, Fold, RotateQk};
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::backend::BackendStorage;
@@ -361,30 +402,39 @@ mod cuda {
         Ok((out, Shape::from((1, l1.dims()[0]))))
     }
 
-    pub(super) fn add_rms_norm(op: &AddRmsNorm, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<(CudaStorage, Shape)> {
-        fn typed<T: CudaDType + DeviceRepr>(op: &AddRmsNorm, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<CudaStorage> {
-            let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, "add-rms-norm")?, span(l2, "add-rms-norm")?, span(l3, "add-rms-norm")?);
-            let (n, h) = (l1.dims()[0], l1.dims()[1]);
+    pub(super) fn matvec_with(fold: Fold, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn typed<T: CudaDType + DeviceRepr>(fold: Fold, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<CudaStorage> {
+            let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, "matvec")?, span(l2, "matvec")?, span(l3, "matvec")?);
+            let (n, k) = (l1.dims()[0], l1.dims()[1]);
             let dev = &s1.device;
-            let (x, r, w) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<T>()?.slice(o3..e3));
+            let (w, x, z) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<T>()?.slice(o3..e3));
             // SAFETY: the kernel writes every element.
-            let out = unsafe { dev.alloc::<T>(2 * n * h)? };
-            launch!(dev, "add_rms_norm", s1.dtype(), grid(n, 1024, 0), |b| {
-                b.arg(&x);
-                b.arg(&r);
-                b.arg(&w);
-                b.arg(&out);
-                builder_arg!(b, n as i32, h as i32, op.eps);
-            });
+            let out = unsafe { dev.alloc::<T>(n)? };
+            match fold {
+                Fold::Norm(eps) => launch!(dev, "norm_matvec", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
+                    b.arg(&w);
+                    b.arg(&x);
+                    b.arg(&z);
+                    b.arg(&out);
+                    builder_arg!(b, n as i32, k as i32, eps);
+                }),
+                Fold::Residual => launch!(dev, "matvec_add", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
+                    b.arg(&w);
+                    b.arg(&x);
+                    b.arg(&z);
+                    b.arg(&out);
+                    builder_arg!(b, n as i32, k as i32);
+                }),
+            }
             Ok(T::wrap_cuda_slice(out, dev.clone()))
         }
         let out = match s1.dtype() {
-            DType::F32 => typed::<f32>(op, s1, l1, s2, l2, s3, l3)?,
-            DType::BF16 => typed::<half::bf16>(op, s1, l1, s2, l2, s3, l3)?,
-            DType::F16 => typed::<half::f16>(op, s1, l1, s2, l2, s3, l3)?,
-            other => candle_core::bail!("add-rms-norm: no kernel for {other:?}"),
+            DType::F32 => typed::<f32>(fold, s1, l1, s2, l2, s3, l3)?,
+            DType::BF16 => typed::<half::bf16>(fold, s1, l1, s2, l2, s3, l3)?,
+            DType::F16 => typed::<half::f16>(fold, s1, l1, s2, l2, s3, l3)?,
+            other => candle_core::bail!("matvec: no kernel for {other:?}"),
         };
-        Ok((out, Shape::from((2, l1.dims()[0], l1.dims()[1]))))
+        Ok((out, Shape::from((1, l1.dims()[0]))))
     }
 
     pub(super) fn decode_attention(op: &DecodeAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {

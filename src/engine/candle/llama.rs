@@ -3,7 +3,7 @@
 //! not depend on the values, so a Llama-3.1-8B run needs no download).
 
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
-use super::kernels::{add_rms_norm, decode_attention, decode_attention_fits, product, rotate_qk, silu_mul};
+use super::kernels::{decode_attention, decode_attention_fits, normed_product, product, product_plus, rotate_qk, silu_mul};
 use serde::Serialize;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
@@ -158,7 +158,20 @@ impl Proj {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = product(x, &self.w)?;
+        self.biased(product(x, &self.w)?)
+    }
+
+    /// The projection of `rms_norm(x, g)`.
+    fn forward_normed(&self, x: &Tensor, g: &Tensor, eps: f32) -> Result<Tensor> {
+        self.biased(normed_product(x, g, eps, &self.w)?)
+    }
+
+    /// The projection of `x` plus the residual `r`.
+    fn forward_plus(&self, x: &Tensor, r: &Tensor) -> Result<Tensor> {
+        self.biased(product_plus(x, &self.w, r)?)
+    }
+
+    fn biased(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -230,20 +243,19 @@ impl Layer {
     /// replaces the (normed) stream as the attention's input (EAGLE-3).
     pub fn forward(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let normed = match (attn_input, &self.attn_norm) {
-            (Some(a), _) => a.clone(),
-            (None, Some(w)) => rms_norm(x, w, s.rms_eps as f64)?,
-            (None, None) => x.clone(),
+        let qkv = match (attn_input, &self.attn_norm) {
+            (Some(a), _) => self.qkv.forward(a)?,
+            (None, Some(g)) => self.qkv.forward_normed(x, g, s.rms_eps)?,
+            (None, None) => self.qkv.forward(x)?,
         };
-        let qkv = self.qkv.forward(&normed)?;
         let (d, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
         rotate_qk(&qkv, &rope.cos, &rope.sin, heads + kv_heads, d, rope.style)?;
         // A row's keys and values lie side by side: the cache's `[2, kv_heads, n, d]` block (a view when n = 1).
         cache.write(&qkv.narrow(1, heads * d, 2 * kv_heads * d)?.reshape((n, 2, kv_heads, d))?.permute((1, 2, 0, 3))?, start)?;
         let attended = cache.attend(&qkv.narrow(1, 0, heads * d)?, heads, start)?;
-        let stream_and_normed = add_rms_norm(x, &self.o.forward(&attended)?, &self.ffn_norm, s.rms_eps)?;
-        let (x, m) = (stream_and_normed.get(0)?, stream_and_normed.get(1)?);
-        Ok((x + self.down.forward(&silu_mul(&self.gate_up.forward(&m)?)?)?)?)
+        let x = self.o.forward_plus(&attended, x)?;
+        let gate_up = self.gate_up.forward_normed(&x, &self.ffn_norm, s.rms_eps)?;
+        self.down.forward_plus(&silu_mul(&gate_up)?, &x)
     }
 }
 
