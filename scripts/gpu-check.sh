@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU and no network, with a frspec built elsewhere by
 #   eval "$(scripts/cuda-toolchain.sh)" && cargo build --release --features cuda
-# Downloads nothing: every model is synthetic. The first three parts took 39.5 s on one H200 (2026-11-30); the sweeps
-# of part 4 are planned for about a minute more (not yet timed there); at most 5 minutes.
+# Downloads nothing: every model is synthetic. All four parts take about 75 s on one H200 (six runs, 2026-11-30).
 #   1. agreement: greedy tokens of a synthetic model in f32 on the GPU against the CPU engine (exit 1 if they differ)
 #   2. bench head at Llama-3.1 size (H 4096, V 128256) in bf16, B = 1 … 1024, every ratio
 #   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s, verification passes of
