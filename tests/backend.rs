@@ -41,12 +41,15 @@ fn smollm2_greedy_tokens_match_the_engine() {
 
 #[test]
 fn synthetic_greedy_tokens_match_the_engine() {
-    // HF safetensors: rotate-half RoPE, an untied head, Q/K/V biases.
+    agrees_with_engine(&synthetic_model(), &[5, 17, 200, 3, 99, 42, 7], 32, 1e-4);
+}
+
+/// A synthetic model in HF safetensors: rotate-half RoPE, an untied head, Q/K/V biases.
+fn synthetic_model() -> Model {
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape { qkv_bias: true, ..Shape::tiny() };
     synthetic::write_model(dir.path(), &shape, 3, DType::F32).unwrap();
-    let model = Model::load(dir.path()).unwrap();
-    agrees_with_engine(&model, &[5, 17, 200, 3, 99, 42, 7], 32, 1e-4);
+    Model::load(dir.path()).unwrap()
 }
 
 #[test]
@@ -134,10 +137,7 @@ fn fused_forward_agrees_with_the_engine_in_f32_and_bf16() {
     // The candle forward (fused norms, RoPE, SiLU × up and one-token attention, stacked projections, the cache
     // written in place) against the CPU engine, prompt, a verification block and one token over the cache: f32 to
     // rounding, bf16 to its 8-bit mantissa.
-    let dir = tempfile::tempdir().unwrap();
-    let shape = Shape { qkv_bias: true, ..Shape::tiny() };
-    synthetic::write_model(dir.path(), &shape, 3, DType::F32).unwrap();
-    let model = Model::load(dir.path()).unwrap();
+    let model = synthetic_model();
     let (prompt, block) = ([5, 17, 200, 3, 99, 42, 7], [8, 19, 23, 4, 61]);
     let mut engine_cache = model.new_cache();
     model.forward(&prompt, &mut engine_cache, &[], &[]).unwrap();

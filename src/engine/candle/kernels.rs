@@ -325,6 +325,18 @@ mod cuda {
         }};
     }
 
+    /// `$typed::<T>(args)` for the storage's float dtype.
+    macro_rules! by_dtype {
+        ($dtype:expr, $op:literal, $typed:ident($($arg:expr),*)) => {
+            match $dtype {
+                DType::F32 => $typed::<f32>($($arg),*),
+                DType::BF16 => $typed::<half::bf16>($($arg),*),
+                DType::F16 => $typed::<half::f16>($($arg),*),
+                other => candle_core::bail!("{}: no kernel for {other:?}", $op),
+            }
+        };
+    }
+
     fn grid(blocks: usize, threads: usize, shared: usize) -> LaunchConfig {
         LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: shared as u32 }
     }
@@ -344,12 +356,7 @@ mod cuda {
             });
             Ok(())
         }
-        match s1.dtype() {
-            DType::F32 => typed::<f32>(op, s1, l1, s2, l2, s3, l3),
-            DType::BF16 => typed::<half::bf16>(op, s1, l1, s2, l2, s3, l3),
-            DType::F16 => typed::<half::f16>(op, s1, l1, s2, l2, s3, l3),
-            other => candle_core::bail!("rotate-qk: no kernel for {other:?}"),
-        }
+        by_dtype!(s1.dtype(), "rotate-qk", typed(op, s1, l1, s2, l2, s3, l3))
     }
 
     pub(super) fn silu_mul(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
@@ -367,12 +374,7 @@ mod cuda {
             });
             Ok(T::wrap_cuda_slice(out, dev.clone()))
         }
-        let out = match s.dtype() {
-            DType::F32 => typed::<f32>(s, l)?,
-            DType::BF16 => typed::<half::bf16>(s, l)?,
-            DType::F16 => typed::<half::f16>(s, l)?,
-            other => candle_core::bail!("silu-mul: no kernel for {other:?}"),
-        };
+        let out = by_dtype!(s.dtype(), "silu-mul", typed(s, l))?;
         Ok((out, Shape::from((l.dims()[0], l.dims()[1] / 2))))
     }
 
@@ -393,12 +395,7 @@ mod cuda {
             });
             Ok(T::wrap_cuda_slice(out, dev.clone()))
         }
-        let out = match s1.dtype() {
-            DType::F32 => typed::<f32>(s1, l1, s2, l2)?,
-            DType::BF16 => typed::<half::bf16>(s1, l1, s2, l2)?,
-            DType::F16 => typed::<half::f16>(s1, l1, s2, l2)?,
-            other => candle_core::bail!("matvec: no kernel for {other:?}"),
-        };
+        let out = by_dtype!(s1.dtype(), "matvec", typed(s1, l1, s2, l2))?;
         Ok((out, Shape::from((1, l1.dims()[0]))))
     }
 
@@ -428,12 +425,7 @@ mod cuda {
             }
             Ok(T::wrap_cuda_slice(out, dev.clone()))
         }
-        let out = match s1.dtype() {
-            DType::F32 => typed::<f32>(fold, s1, l1, s2, l2, s3, l3)?,
-            DType::BF16 => typed::<half::bf16>(fold, s1, l1, s2, l2, s3, l3)?,
-            DType::F16 => typed::<half::f16>(fold, s1, l1, s2, l2, s3, l3)?,
-            other => candle_core::bail!("matvec: no kernel for {other:?}"),
-        };
+        let out = by_dtype!(s1.dtype(), "matvec", typed(fold, s1, l1, s2, l2, s3, l3))?;
         Ok((out, Shape::from((1, l1.dims()[0]))))
     }
 
@@ -455,12 +447,7 @@ mod cuda {
             });
             Ok(T::wrap_cuda_slice(out, dev.clone()))
         }
-        let out = match s1.dtype() {
-            DType::F32 => typed::<f32>(op, s1, l1, s2, l2)?,
-            DType::BF16 => typed::<half::bf16>(op, s1, l1, s2, l2)?,
-            DType::F16 => typed::<half::f16>(op, s1, l1, s2, l2)?,
-            other => candle_core::bail!("decode-attention: no kernel for {other:?}"),
-        };
+        let out = by_dtype!(s1.dtype(), "decode-attention", typed(op, s1, l1, s2, l2))?;
         Ok((out, Shape::from((1, op.heads * op.d))))
     }
 }
