@@ -212,6 +212,14 @@ pub struct Settings {
     pub engine: EngineKind,
 }
 
+/// The first number a layer sets that is not finite: NaN and ±∞ are no ratio, temperature or top-p, and merging
+/// layers (through JSON, which has no spelling for them) would turn them into a panic.
+fn non_finite(layer: &SweepSpec) -> Option<(&'static str, f64)> {
+    let ratios = layer.ratios.iter().flatten().map(|&r| ("ratios", r));
+    let temperatures = layer.temperatures.iter().flatten().map(|&t| ("temperatures", t as f64));
+    ratios.chain(temperatures).chain(layer.top_p.map(|p| ("top_p", p as f64))).find(|(_, v)| !v.is_finite())
+}
+
 fn as_display<S: serde::Serializer>(kind: &DraftKind, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.collect_str(kind)
 }
@@ -219,6 +227,11 @@ fn as_display<S: serde::Serializer>(kind: &DraftKind, s: S) -> std::result::Resu
 /// Merge the layers and fill what none of them sets. The default preset applies when neither a preset nor a
 /// target is named.
 pub fn resolve(file: Option<&SweepSpec>, vllm: Option<&SweepSpec>, flags: &SweepSpec) -> Result<Settings> {
+    for (layer, source) in [(file, "sweep file"), (vllm, "--speculative-config"), (Some(flags), "flags")] {
+        if let Some((field, value)) = layer.and_then(non_finite) {
+            bail!("{source}: {field} {value} is not a finite number");
+        }
+    }
     let mut merged = SweepSpec::default();
     for layer in [file, vllm, Some(flags)].into_iter().flatten() {
         merged = merged.overlay(layer);

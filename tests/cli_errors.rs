@@ -238,6 +238,19 @@ fn bad_sweeps_fail_before_writing_anything() {
     assert!(err.contains("num_prompts is 2, but dataset") && err.contains("has 1 matching"), "{err}");
     let err = sweep_fails(&["--speculative-config", "{\"method\": \"ngram\"}"]);
     assert!(err.contains("method `ngram`"), "{err}");
+    // Numbers without bounds: refused up front, not a panic, an allocation abort or hours of running.
+    let err = sweep_fails(&["--ratios", "0,nan"]);
+    assert!(err.contains("flags: ratios NaN is not a finite number"), "{err}");
+    let err = sweep_fails(&["--temperatures", "inf"]);
+    assert!(err.contains("flags: temperatures inf is not a finite number"), "{err}");
+    let err = sweep_fails(&["--temperatures", "1e39"]);
+    assert!(err.contains("temperatures inf is not a finite number"), "{err}");
+    let err = sweep_fails(&["--repeats", "1000000000"]);
+    assert!(err.contains("the sweep holds 2000000000 turns"), "{err}");
+    let err = sweep_fails(&["--k", "1000000"]);
+    assert!(err.contains("k is 1000000: a step drafts at most 64 tokens"), "{err}");
+    let err = sweep_fails(&["--max-new-tokens", "1000000000"]);
+    assert!(err.contains("max_new_tokens is 1000000000: the model's context holds"), "{err}");
 
     let file = dir.path().join("sweep.toml");
     std::fs::write(&file, "ratios = []\n").unwrap();
@@ -245,6 +258,9 @@ fn bad_sweeps_fail_before_writing_anything() {
     let args: Vec<&str> = base.iter().filter(|a| !["--ratios", "0"].contains(a)).chain(&with_file).copied().collect();
     let err = fails(&args, &[]);
     assert!(err.contains("the sweep matrix is empty"), "{err}");
+    std::fs::write(&file, "temperatures = [0.0, nan]\n").unwrap();
+    let err = sweep_fails(&with_file);
+    assert!(err.contains("sweep file: temperatures NaN is not a finite number"), "{err}");
     std::fs::write(&file, "ratio = [0.5]\n").unwrap();
     let err = sweep_fails(&with_file);
     assert!(err.contains("sweep.toml") && err.contains("unknown field `ratio`"), "{err}");

@@ -30,6 +30,12 @@ pub struct Plan {
     pub mode: DraftMode,
 }
 
+/// The most draft tokens a step may propose: EAGLE chains use 3–8, and a step's work and memory grow with k.
+pub const MAX_K: usize = 64;
+
+/// The most turns one sweep may hold: at a second a turn, eleven days.
+pub const MAX_UNITS: u128 = 1_000_000;
+
 impl Plan {
     pub fn validate(&self, questions: &[Question]) -> Result<()> {
         if self.ratios.is_empty() || self.temperatures.is_empty() || self.repeats == 0 || questions.is_empty() {
@@ -43,6 +49,13 @@ impl Plan {
         }
         if self.k == 0 || self.max_new_tokens == 0 {
             bail!("k and max new tokens must be at least 1");
+        }
+        if self.k > MAX_K {
+            bail!("k is {}: a step drafts at most {MAX_K} tokens", self.k);
+        }
+        let units = (self.temperatures.len() * questions.len()) as u128 * self.repeats as u128 * self.turns as u128;
+        if units > MAX_UNITS {
+            bail!("the sweep holds {units} turns (temperatures × prompts × repeats × turns); at most {MAX_UNITS} run in one sweep");
         }
         if !(1..=2).contains(&self.turns) {
             bail!("turns must be 1 or 2, got {}", self.turns);

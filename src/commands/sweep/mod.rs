@@ -168,6 +168,10 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
     check(settings, &questions)?;
 
     let target = Target::load(&settings.model)?;
+    let context = target.model.config.context_length;
+    if settings.max_new_tokens >= context {
+        bail!("max_new_tokens is {}: the model's context holds {context} positions, prompt included", settings.max_new_tokens);
+    }
     let vocab = target.model.config.vocab;
     let (rules, ratios) = cells(settings, vocab);
     let plan = plan(settings, ratios);
