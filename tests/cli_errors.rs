@@ -265,6 +265,9 @@ fn bad_sweeps_fail_before_writing_anything() {
     let err = sweep_fails(&with_file);
     assert!(err.contains("sweep.toml") && err.contains("unknown field `ratio`"), "{err}");
 
+    std::fs::write(&data, "{\"question_id\": 81, \"turns\": [\"Hello\"]}\n{\"question_id\": 81, \"turns\": [\"Hi\"]}\n").unwrap();
+    let err = sweep_fails(&[]);
+    assert!(err.contains("q.jsonl line 2: question id 81 is already the id of line 1"), "{err}");
     std::fs::write(&data, "{\"question_id\": 81, \"turns\": [\"Hello\"]}\n{\"question_id\": 82, \"turns\": [\"Hi\"],\n").unwrap();
     let err = sweep_fails(&[]);
     assert!(err.contains("q.jsonl line 2"), "{err}");

@@ -35,6 +35,7 @@ pub fn load(spec: &str) -> Result<Vec<Question>> {
 
 pub fn parse(text: &str, path: &Path) -> Result<Vec<Question>> {
     let mut out = Vec::new();
+    let mut lines_of_ids = std::collections::HashMap::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -61,6 +62,11 @@ pub fn parse(text: &str, path: &Path) -> Result<Vec<Question>> {
             Some(serde_json::Value::Number(n)) => n.to_string(),
             _ => (out.len() + 1).to_string(),
         };
+        // A question is one unit of the bootstrap over prompts: one that came twice would count twice and narrow
+        // every interval.
+        if let Some(first) = lines_of_ids.insert(id.clone(), i + 1) {
+            bail!("{}: question id {id} is already the id of line {first}", at());
+        }
         let category = v.get("category").and_then(|c| c.as_str()).map(String::from);
         out.push(Question { id, category, turns });
     }
