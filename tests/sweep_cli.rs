@@ -160,6 +160,14 @@ fn kill_9_then_resume_gives_the_uninterrupted_tables_and_the_folder_guards_its_s
     assert!(bytes(&whole, "runs.parquet") != bytes(&killed, "runs.parquet"), "another seed, other sampled records");
 }
 
+/// A copy of sweep `from`'s summary and manifest in a folder of the fixture called `name` (`check --update-baseline`).
+fn baseline_of(f: &Fixture, from: &Path, name: &str) -> std::path::PathBuf {
+    let dir = f.dir.path().join(name);
+    let update = frspec().args(["check", "--update-baseline", "--baseline", dir.to_str().unwrap(), "--current", from.to_str().unwrap()]).output().unwrap();
+    assert!(update.status.success(), "{}", String::from_utf8_lossy(&update.stderr));
+    dir
+}
+
 /// `frspec check` with its exit code and output.
 fn check(baseline: &Path, current: &Path) -> (Option<i32>, String, String) {
     let out = frspec().args(["check", "--baseline", baseline.to_str().unwrap(), "--current", current.to_str().unwrap()]).output().unwrap();
@@ -177,9 +185,7 @@ fn check_passes_its_own_baseline_fails_a_doctored_one_and_refuses_what_it_cannot
     assert_eq!(stdout.matches(" ok").count(), 4 * 2, "4 cells × 2 metrics: {stdout}");
 
     // Raise the baseline's T = 1, ratio 0.5 length far above anything its interval allows.
-    let doctored = f.dir.path().join("doctored");
-    let update = frspec().args(["check", "--update-baseline", "--baseline", doctored.to_str().unwrap(), "--current", a.to_str().unwrap()]).output().unwrap();
-    assert!(update.status.success());
+    let doctored = baseline_of(&f, &a, "doctored");
     let summary = doctored.join("summary.parquet");
     let mut cells = frspec::outputs::store::read_summary(&summary).unwrap();
     let cell = cells.iter_mut().find(|c| c.ratio == 0.5 && c.temperature == 1.0).unwrap();
@@ -193,6 +199,30 @@ fn check_passes_its_own_baseline_fails_a_doctored_one_and_refuses_what_it_cannot
     assert_eq!(flagged.len(), 1, "{stdout}");
     assert!(flagged[0].contains("0.5") && flagged[0].contains("mean acceptance length") && flagged[0].contains("-1.000"), "{stdout}");
     assert!(stderr.contains("regression: 1 of 8"), "{stderr}");
+
+    // A NaN is a regression, never a pass.
+    let nan = baseline_of(&f, &a, "nan");
+    let mut cells = frspec::outputs::store::read_summary(&nan.join("summary.parquet")).unwrap();
+    cells[0].length.value = f64::NAN;
+    frspec::outputs::store::write_summary(&nan.join("summary.parquet"), &cells).unwrap();
+    let (code, stdout, stderr) = check(&a, &nan);
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    assert_eq!(stdout.lines().filter(|l| l.contains("REGRESSED")).count(), 1, "{stdout}");
+
+    // Manifests that lack a compared setting or an input's digest are refused, even when both lack the same.
+    for (name, strip) in [("no-k", &["settings", "k"][..]), ("no-digest", &["files", "model", "sha256"][..])] {
+        let (x, y) = (baseline_of(&f, &a, &format!("{name}-x")), baseline_of(&f, &a, &format!("{name}-y")));
+        for dir in [&x, &y] {
+            let path = dir.join("manifest.json");
+            let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let (field, parents) = strip.split_last().unwrap();
+            parents.iter().fold(&mut manifest, |m, key| &mut m[*key]).as_object_mut().unwrap().remove(*field);
+            std::fs::write(&path, manifest.to_string()).unwrap();
+        }
+        let (code, _, stderr) = check(&x, &y);
+        assert_eq!(code, Some(2), "{name}: {stderr}");
+        assert!(stderr.contains(&format!("its manifest lacks {}", strip.join("."))), "{name}: {stderr}");
+    }
 
     // Unusable: other settings, missing cells, no summary, a corrupt summary.
     let longer = f.dir.path().join("longer");

@@ -75,6 +75,20 @@ impl SweepResult {
 /// to them, so a baseline made in one checkout checks a sweep made in another.
 const SAME_SETTINGS: [&str; 8] = ["draft_kind", "num_prompts", "categories", "turns", "max_new_tokens", "k", "top_p", "draft_mode"];
 
+/// Input files every sweep has: a manifest without their digests cannot say what it measured.
+const REQUIRED_FILES: [&str; 2] = ["model", "dataset"];
+
+/// What a manifest lacks to be compared at all: a setting `check` compares, or a digest of an input file. Two
+/// manifests that lacked the same field would otherwise compare equal.
+fn lacking(r: &SweepResult) -> Vec<String> {
+    let m = &r.manifest;
+    let settings = SAME_SETTINGS.iter().filter(|k| m["settings"].get(**k).is_none()).map(|k| format!("settings.{k}"));
+    let mut roles: std::collections::BTreeSet<String> = REQUIRED_FILES.iter().map(|r| r.to_string()).collect();
+    roles.extend(m["files"].as_object().into_iter().flat_map(|f| f.keys().cloned()));
+    let digests = roles.into_iter().filter(|role| !m["files"][role]["sha256"].is_string()).map(|role| format!("files.{role}.sha256"));
+    settings.chain(digests).collect()
+}
+
 /// Why two sweeps cannot be compared, or None.
 fn incomparable(base: &SweepResult, cur: &SweepResult) -> Vec<String> {
     let mut out = Vec::new();
@@ -116,6 +130,12 @@ pub fn compare(base: &SweepResult, cur: &SweepResult, metrics: &[CheckMetric], t
     if !(tolerance >= 0.0 && tolerance.is_finite()) {
         bail!("--tolerance must be a finite number ≥ 0, got {tolerance}");
     }
+    for r in [base, cur] {
+        let lacks = lacking(r);
+        if !lacks.is_empty() {
+            bail!("{}: its manifest lacks {}, so what it measured cannot be compared", r.dir.join(Manifest::FILE).display(), lacks.join(", "));
+        }
+    }
     let differences = incomparable(base, cur);
     if !differences.is_empty() {
         bail!("{} and {} were made with different settings: {}", base.dir.display(), cur.dir.display(), differences.join("; "));
@@ -137,7 +157,9 @@ pub fn compare(base: &SweepResult, cur: &SweepResult, metrics: &[CheckMetric], t
             // The baseline's downside and the current's upside, combined as independent errors.
             let noise = (be.value - be.bootstrap.lo).hypot(ce.bootstrap.hi - ce.value);
             let allowed = noise.max(tolerance * be.value.abs());
-            rows.push(Row { ratio: b.ratio, temperature: b.temperature, metric, baseline: be, current: ce, allowed, regressed: be.value - ce.value > allowed });
+            // Written so that a NaN anywhere (a value, an interval) counts as a regression, never as a pass.
+            let regressed = !(be.value - ce.value <= allowed);
+            rows.push(Row { ratio: b.ratio, temperature: b.temperature, metric, baseline: be, current: ce, allowed, regressed });
         }
     }
     Ok(rows)
