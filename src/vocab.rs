@@ -216,22 +216,33 @@ fn sorted_header(bytes: Vec<u8>) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Frequencies from a per-token tensor (index = id). Its length is the vocabulary it was counted for, which
+/// `keep_set` then checks against the target's.
+fn per_token(t: &Tensor, path: &Path) -> Result<Frequencies> {
+    let counts = to_u64_counts(t, path)?;
+    let mut f = Frequencies::from_counts(&counts, path);
+    f.metadata.insert("vocab".into(), counts.len().to_string());
+    Ok(f)
+}
+
 fn to_u64_counts(t: &Tensor, path: &Path) -> Result<Vec<u64>> {
     if t.rank() != 1 {
         bail!("{}: a frequency tensor must be 1-D (one count per token id), got shape {:?}", path.display(), t.dims());
     }
     let v = t.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-    v.iter()
-        .enumerate()
-        .map(|(i, &c)| {
-            if c.is_finite() && c >= 0.0 {
-                // Float frequencies (probabilities) keep their order when scaled to integers.
-                Ok(if t.dtype().is_float() { (c * 1e12).round() as u64 } else { c as u64 })
-            } else {
-                Err(anyhow!("{}: frequency of token {i} is {c}", path.display()))
-            }
-        })
-        .collect()
+    if let Some((i, c)) = v.iter().enumerate().find(|(_, c)| !(c.is_finite() && **c >= 0.0)) {
+        bail!("{}: frequency of token {i} is {c}", path.display());
+    }
+    // Float frequencies keep their order and proportions as integers: probabilities at 1e12, larger values scaled
+    // so the largest is 2^53 (f64's last exact integer) rather than saturating u64 and tying at its maximum.
+    let exact = 2f64.powi(53);
+    let largest = v.iter().fold(0f64, |m, &c| m.max(c));
+    let scale = match t.dtype().is_float() {
+        true if largest * 1e12 > exact => exact / largest,
+        true => 1e12,
+        false => 1.0,
+    };
+    Ok(v.iter().map(|&c| (c * scale).round() as u64).collect())
 }
 
 fn load_safetensors(path: &Path) -> Result<Frequencies> {
@@ -258,7 +269,7 @@ fn load_safetensors(path: &Path) -> Result<Frequencies> {
     }
     let names: Vec<String> = st.names().into_iter().map(String::from).collect();
     match &names[..] {
-        [one] => Ok(Frequencies::from_counts(&to_u64_counts(&tensors[one], path)?, path)),
+        [one] => per_token(&tensors[one], path),
         _ => bail!("{}: expected `ids` + `counts` or a single per-token frequency tensor, found {names:?}", path.display()),
     }
 }
@@ -279,7 +290,7 @@ fn load_npy(path: &Path) -> Result<Frequencies> {
         other => bail!("{}: unsupported dtype {other:?} for a frequency array", path.display()),
     };
     let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
-    Ok(Frequencies::from_counts(&to_u64_counts(&t, path)?, path))
+    per_token(&t, path)
 }
 
 /// A torch `.pt`: either FR-Spec's pickled list of ids or a pickled frequency tensor.
@@ -322,7 +333,7 @@ fn load_torch(path: &Path) -> Result<Frequencies> {
                 .map_err(|e| anyhow!("{}: {e}", path.display()))?;
             let n = info.layout.shape().elem_count();
             let t = storage.narrow(0, info.layout.start_offset(), n)?;
-            Ok(Frequencies::from_counts(&to_u64_counts(&t, path)?, path))
+            per_token(&t, path)
         }
     }
 }

@@ -80,6 +80,9 @@ fn bad_frequency_input_is_refused_with_the_file_named() {
         assert!(err.contains(file) && err.contains(want), "{file}: {err}");
     }
     let f = Frequencies::load(&fixture("token_freq.pt")).unwrap();
+    // A per-token tensor counted for 16 ids cannot rank a vocabulary of 32: half of it would never be kept.
+    let err = f.keep_set(KeepRule::Ratio(0.5), 32, &[]).unwrap_err().to_string();
+    assert!(err.contains("token_freq.pt was built for a vocabulary of 16 ids, the target has 32"), "{err}");
     for bad in [KeepRule::Ratio(1.0), KeepRule::Ratio(-0.1), KeepRule::Keep(0), KeepRule::Mass(0.0)] {
         assert!(f.keep_set(bad, 16, &[]).is_err(), "{bad:?}");
     }
@@ -87,4 +90,17 @@ fn bad_frequency_input_is_refused_with_the_file_named() {
     assert!(err.contains("missing.pt") && err.contains("does not exist"), "{err}");
     let err = Frequencies::load(&fixture("README.md")).unwrap_err().to_string();
     assert!(err.contains("unknown frequency file type"), "{err}");
+}
+
+#[test]
+fn large_float_frequencies_keep_their_order() {
+    // Float values far above probabilities (raw counts stored as f64) once saturated when scaled to integers, so the
+    // three largest tied and ranked by id.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("freq.safetensors");
+    let values = candle_core::Tensor::new(&[1e10f64, 3e10, 2e10, 5.0], &candle_core::Device::Cpu).unwrap();
+    candle_core::safetensors::save(&std::collections::HashMap::from([("freq".to_string(), values)]), &path).unwrap();
+    let f = Frequencies::load(&path).unwrap();
+    assert_eq!(f.ranking, [1, 2, 0, 3]);
+    assert_eq!(f.keep_set(KeepRule::Mass(0.8), 4, &[]).unwrap().ids, [1, 2], "3e10 + 2e10 of 6e10 ≥ 80%");
 }
