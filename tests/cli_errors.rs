@@ -224,33 +224,25 @@ fn bad_sweeps_fail_before_writing_anything() {
         assert!(!out.exists(), "{extra:?} left {}", out.display());
         err
     };
-    let err = sweep_fails(&["--turns", "2"]);
-    assert!(err.contains("question 81 has 1 turn(s); the sweep asks for 2"), "{err}");
-    let err = sweep_fails(&["--ratios", "0,1.5"]);
-    assert!(err.contains("pruning ratio must be in [0, 1), got 1.5"), "{err}");
-    let err = sweep_fails(&["--ratios", "0,0.5"]);
-    assert!(err.contains("--freq"), "pruning without frequencies: {err}");
-    let err = sweep_fails(&["--preset", "gpt5"]);
-    assert!(err.contains("unknown preset `gpt5`"), "{err}");
-    let err = sweep_fails(&["--category", "poetry"]);
-    assert!(err.contains("no question of category poetry (it has: math)"), "{err}");
-    let err = sweep_fails(&["--num-prompts", "2"]);
-    assert!(err.contains("num_prompts is 2, but dataset") && err.contains("has 1 matching"), "{err}");
-    let err = sweep_fails(&["--speculative-config", "{\"method\": \"ngram\"}"]);
-    assert!(err.contains("method `ngram`"), "{err}");
-    // Numbers without bounds: refused up front, not a panic, an allocation abort or hours of running.
-    let err = sweep_fails(&["--ratios", "0,nan"]);
-    assert!(err.contains("flags: ratios NaN is not a finite number"), "{err}");
-    let err = sweep_fails(&["--temperatures", "inf"]);
-    assert!(err.contains("flags: temperatures inf is not a finite number"), "{err}");
-    let err = sweep_fails(&["--temperatures", "1e39"]);
-    assert!(err.contains("temperatures inf is not a finite number"), "{err}");
-    let err = sweep_fails(&["--repeats", "1000000000"]);
-    assert!(err.contains("the sweep holds 2000000000 turns"), "{err}");
-    let err = sweep_fails(&["--k", "1000000"]);
-    assert!(err.contains("k is 1000000: a step drafts at most 64 tokens"), "{err}");
-    let err = sweep_fails(&["--max-new-tokens", "1000000000"]);
-    assert!(err.contains("max_new_tokens is 1000000000: the model's context holds"), "{err}");
+    for (extra, want) in [
+        (&["--turns", "2"][..], "question 81 has 1 turn(s); the sweep asks for 2"),
+        (&["--ratios", "0,1.5"], "pruning ratio must be in [0, 1), got 1.5"),
+        (&["--ratios", "0,0.5"], "--freq"),
+        (&["--preset", "gpt5"], "unknown preset `gpt5`"),
+        (&["--category", "poetry"], "no question of category poetry (it has: math)"),
+        (&["--num-prompts", "2"], "has 1 matching questions"),
+        (&["--speculative-config", "{\"method\": \"ngram\"}"], "method `ngram`"),
+        // Numbers without bounds: refused up front, not a panic, an allocation abort or hours of running.
+        (&["--ratios", "0,nan"], "flags: ratios NaN is not a finite number"),
+        (&["--temperatures", "inf"], "flags: temperatures inf is not a finite number"),
+        (&["--temperatures", "1e39"], "temperatures inf is not a finite number"),
+        (&["--repeats", "1000000000"], "the sweep holds 2000000000 turns"),
+        (&["--k", "1000000"], "k is 1000000: a step drafts at most 64 tokens"),
+        (&["--max-new-tokens", "1000000000"], "max_new_tokens is 1000000000: the model's context holds"),
+    ] {
+        let err = sweep_fails(extra);
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
 
     let file = dir.path().join("sweep.toml");
     std::fs::write(&file, "ratios = []\n").unwrap();
