@@ -37,9 +37,8 @@ pub fn roofline(device: &Device, dtype: DType) -> Result<Roofline> {
 
 /// Read bandwidth as measured on the device: the best of three read-only passes over 4 GiB of random values, row
 /// sums (what PyTorch's `sum` probe does) and a bf16 matrix-vector product (what a decode step is made of) through
-/// cuBLAS and through frspec's kernel. On the
-/// CPU, the CPU's read probe. An elementwise pass is not a read probe: it also writes, and through candle it reached
-/// only 632–678 GB/s on an H200 where reads run at 4,220 GB/s.
+/// cuBLAS and through frspec's kernel; on the CPU, the CPU's read probe. An elementwise pass is not a read probe: it
+/// also writes, and through candle it reached only 632–678 GB/s on an H200 where reads run at 4,220 GB/s.
 pub fn bandwidth(device: &Device) -> Result<f64> {
     if device.is_cpu() {
         return Ok(super::read_bandwidth());

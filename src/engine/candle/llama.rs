@@ -2,9 +2,8 @@
 //! and training). Built from a CPU-engine model (weights dequantized) or with random weights of any shape (speed does
 //! not depend on the values, so a Llama-3.1-8B run needs no download).
 
-use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
 use super::kernels::{decode_attention, decode_attention_fits, normed_product, product, product_plus, rotate_qk, silu_mul};
-use serde::Serialize;
+use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Mutex;
@@ -150,7 +149,8 @@ impl Proj {
         let w = parts.iter().map(|p| dense(&p.weight, device, dtype)).collect::<Result<Vec<_>>>()?;
         let b = if parts.iter().any(|p| p.bias.is_some()) {
             let bias: Vec<f32> = parts.iter().flat_map(|p| p.bias.clone().unwrap_or_else(|| vec![0.0; p.weight.rows])).collect();
-            Some(Tensor::from_vec(bias.clone(), bias.len(), device)?.to_dtype(dtype)?)
+            let len = bias.len();
+            Some(Tensor::from_vec(bias, len, device)?.to_dtype(dtype)?)
         } else {
             None
         };
@@ -301,8 +301,7 @@ impl Rows {
 
 /// How a one-token step attends to the cache: frspec's fused kernel, or candle's products and softmax as blocks of
 /// tokens do (kept so that `bench decode` can compare the two in one run).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OneTokenAttention {
     #[default]
     Fused,
