@@ -71,6 +71,23 @@ fn synthetic_dir() -> tempfile::TempDir {
 }
 
 #[test]
+fn index_naming_a_shard_outside_the_folder() {
+    // The shard exists, outside the model folder: it must not be read.
+    let dir = synthetic_dir();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()) {
+        if f.is_file() && f.file_name().unwrap() != "model.safetensors" {
+            std::fs::rename(&f, model.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let index = r#"{"weight_map": {"model.embed_tokens.weight": "../model.safetensors"}}"#;
+    std::fs::write(model.join("model.safetensors.index.json"), index).unwrap();
+    let err = score_fails(&model);
+    assert!(err.contains("model.safetensors.index.json") && err.contains("\"../model.safetensors\" is not a plain relative path"), "{err}");
+}
+
+#[test]
 fn truncated_safetensors() {
     let dir = synthetic_dir();
     let file = dir.path().join("model.safetensors");

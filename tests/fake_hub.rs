@@ -83,6 +83,11 @@ fn model_and_dataset_download_then_load_offline() {
     let mut files = repo_files("/tiny-org/tiny-llama", model_dir.path());
     let eagle = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures/eagle1-tiny");
     files.extend(repo_files("/tiny-org/tiny-eagle", &eagle));
+    // A repo whose index names a shard outside the repo: the name would be joined onto the cache path.
+    let mut evil = repo_files("/evil-org/evil-llama", model_dir.path());
+    let escape = r#"{"weight_map": {"model.embed_tokens.weight": "../../../../../escape.safetensors"}}"#;
+    evil.insert("/evil-org/evil-llama/resolve/main/model.safetensors.index.json".into(), escape.as_bytes().to_vec());
+    files.extend(evil);
     let questions = std::fs::read(asset("mt-bench")).unwrap();
     files.insert("/datasets/philschmid/mt-bench/resolve/main/question.jsonl".into(), questions.clone());
     let hub = FakeHub::start(files);
@@ -126,6 +131,18 @@ fn model_and_dataset_download_then_load_offline() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && stderr.contains("EAGLE-1 head") && stderr.contains("mean acceptance length"), "{stderr}");
 
+    // Names that would leave the cache are refused before any request or path is made of them.
+    let out = frspec()
+        .args(["score", "--model", "evil-org/evil-llama", "--tokens-file", tokens.to_str().unwrap()])
+        .env("HF_ENDPOINT", &hub.endpoint)
+        .env("HF_HOME", home.path())
+        .env_remove("HF_HUB_OFFLINE")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(1) && stderr.contains("model repo evil-org/evil-llama: file name \"../../../../../escape.safetensors\" is not a plain relative path"), "{stderr}");
+
     // Through the library: a dataset file, and a file the repo does not have.
     let hub_client = Hub::new(&hub.endpoint, home.path().join("hub"), false, None).unwrap();
     let repo = RepoId::parse("philschmid/mt-bench").unwrap();
@@ -134,6 +151,10 @@ fn model_and_dataset_download_then_load_offline() {
     assert_eq!(hub_client.optional_file(RepoKind::Dataset, &repo, "missing.jsonl").unwrap(), None);
     let err = hub_client.file(RepoKind::Dataset, &repo, "missing.jsonl").unwrap_err();
     assert!(err.to_string().contains("philschmid/mt-bench has no file missing.jsonl"), "{err}");
+    for name in ["../question.jsonl", "/etc/passwd", "a/../../b", "", "a\\..\\b"] {
+        let err = hub_client.file(RepoKind::Dataset, &repo, name).unwrap_err();
+        assert!(format!("{err:#}").contains("is not a plain relative path"), "{name}: {err:#}");
+    }
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Resolving model and dataset names to local files: a local path, or a Hugging Face repo id fetched with
 //! hf-hub into the usual cache, honouring HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE.
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use hf_hub::api::sync::{Api, ApiBuilder, ApiError};
 use hf_hub::{Cache, Repo, RepoType};
 use std::path::PathBuf;
@@ -102,6 +102,8 @@ impl Hub {
 
     /// Like `file`, but a file the repo does not have (offline: that the cache does not have) is `None`.
     pub fn optional_file(&self, kind: RepoKind, repo: &RepoId, file: &str) -> Result<Option<PathBuf>> {
+        let file = super::RepoPath::new(file).with_context(|| self.describe(kind, repo))?;
+        let file = file.as_str();
         let r = repo.repo(kind);
         if let Some(path) = self.cache.repo(r.clone()).get(file) {
             return Ok(Some(path));

@@ -204,7 +204,11 @@ pub fn safetensors_files(path: &Path) -> Result<Vec<PathBuf>> {
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| anyhow!("{}: no weight_map object", index.display()))?;
-        let mut shards: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| path.join(f)).collect();
+        let mut shards = map
+            .values()
+            .filter_map(|v| v.as_str())
+            .map(|f| Ok(path.join(super::RepoPath::new(f).with_context(|| index.display().to_string())?.as_str())))
+            .collect::<Result<Vec<PathBuf>>>()?;
         shards.sort();
         shards.dedup();
         if let Some(missing) = shards.iter().find(|s| !s.is_file()) {
