@@ -169,4 +169,9 @@ fn unreachable_hub_is_a_clear_error() {
     let err = hub.file(RepoKind::Model, &RepoId::parse("org/model").unwrap(), "config.json").unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("org/model") && msg.contains(&endpoint), "{msg}");
+    // Credentials in the endpoint never reach an error.
+    let with_token = endpoint.replace("http://", "http://someone:hf_secret123@");
+    let hub = Hub::new(&with_token, home.path().join("hub"), false, None).unwrap();
+    let msg = format!("{:#}", hub.file(RepoKind::Model, &RepoId::parse("org/model").unwrap(), "config.json").unwrap_err());
+    assert!(!msg.contains("hf_secret123") && !msg.contains("someone") && msg.contains("***@127.0.0.1"), "{msg}");
 }

@@ -83,6 +83,16 @@ impl Hub {
         Ok(Hub { cache, api, endpoint: endpoint.to_string() })
     }
 
+    /// `text` with the credentials an endpoint like `https://user:token@host` carries replaced by `***`: errors name
+    /// the endpoint (and hf-hub's errors the URL), and a log is no place for a token.
+    fn redact(&self, text: &str) -> String {
+        let credentials = self.endpoint.split_once("://").and_then(|(_, rest)| rest.split('/').next()?.rsplit_once('@')).map(|(c, _)| c);
+        match credentials {
+            Some(c) if !c.is_empty() => text.replace(c, "***"),
+            _ => text.to_string(),
+        }
+    }
+
     pub fn is_offline(&self) -> bool {
         self.api.is_none()
     }
@@ -112,7 +122,7 @@ impl Hub {
         match api.repo(r).get(file) {
             Ok(path) => Ok(Some(path)),
             Err(ApiError::RequestError(e)) if matches!(*e, ureq::Error::StatusCode(404)) => Ok(None),
-            Err(e) => bail!("cannot fetch {file} from {} at {}: {e}", self.describe(kind, repo), self.endpoint),
+            Err(e) => bail!("{}", self.redact(&format!("cannot fetch {file} from {} at {}: {e}", self.describe(kind, repo), self.endpoint))),
         }
     }
 
