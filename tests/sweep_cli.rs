@@ -352,3 +352,41 @@ fn the_committed_default_matrix_reads_back_whole() {
     let manifest: serde_json::Value = serde_json::from_slice(&bytes(&dir, "manifest.json")).unwrap();
     assert_eq!((manifest["settings"]["preset"].as_str(), manifest["units_total"].as_u64()), (Some("smollm2-eagle"), Some(20 + 20 * 3)));
 }
+
+#[test]
+fn a_damaged_journal_entry_is_redone_a_held_folder_is_refused() {
+    let f = Fixture::new(4);
+    let a = f.dir.path().join("a");
+    ok(f.sweep(&a, &SMALL));
+    let runs = bytes(&a, "runs.parquet");
+
+    // One damaged entry and one stray file: --resume redoes that unit and says so, and the tables come out the same.
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(a.join("units")).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    let damaged = entries.iter().find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("t0-")).unwrap().clone();
+    std::fs::write(&damaged, b"{ not a unit").unwrap();
+    std::fs::write(a.join("units").join("t9-stray.json"), b"{}").unwrap();
+    let out = f.sweep(&a, &[&SMALL[..], &["--resume"]].concat()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let name = damaged.file_name().unwrap().to_str().unwrap();
+    assert!(stderr.contains(&format!("note: redoing {name}")) && stderr.contains("t9-stray.json: not a unit of this sweep"), "{stderr}");
+    assert!(stderr.contains("1 units run, "), "only the damaged unit reran: {stderr}");
+    assert_eq!(bytes(&a, "runs.parquet"), runs);
+
+    // While a sweep holds the folder, another one cannot write it.
+    let lock = std::fs::File::open(a.join("units").join("lock")).unwrap();
+    lock.lock().unwrap();
+    let out = f.sweep(&a, &[&SMALL[..], &["--resume"]].concat()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(1) && stderr.contains("is being written by another sweep"), "{stderr}");
+    drop(lock);
+
+    // An --out that cannot be read as a folder is not taken for an empty one.
+    let file = f.dir.path().join("a-file");
+    std::fs::write(&file, "mine").unwrap();
+    let out = f.sweep(&file, &SMALL).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(1) && stderr.contains("cannot read --out"), "{stderr}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"mine");
+}

@@ -58,23 +58,49 @@ struct UnitFile {
 
 pub struct Folder {
     dir: PathBuf,
+    /// Locked while this sweep writes the folder.
+    _lock: std::fs::File,
 }
 
 const UNITS: &str = "units";
 const IDENTITY: &str = "sweep.json";
+/// Held locked (an advisory lock, released when the process ends, however it ends) while a sweep writes the folder.
+const LOCK: &str = "lock";
 /// Everything a sweep writes into its folder; `--overwrite` removes exactly these.
 const OWN: [&str; 6] = [UNITS, store::RUNS, store::SUMMARY, store::TIMINGS, store::TIMING_SUMMARY, crate::outputs::manifest::Manifest::FILE];
 
+/// What opening a folder found: the units already finished in it (and the seconds each took), and the journal
+/// entries it will redo or ignore, with why.
+pub struct Journal {
+    pub done: BTreeMap<UnitKey, f64>,
+    pub notes: Vec<String>,
+}
+
 impl Folder {
-    /// Open `dir` for the sweep `identity`; returns the folder and the units already finished in it.
-    pub fn open(dir: &Path, identity: &Identity, mode: FolderMode, all_units: &[UnitKey]) -> Result<(Folder, BTreeMap<UnitKey, f64>)> {
-        let folder = Folder { dir: dir.to_path_buf() };
-        let occupied = dir.read_dir().map(|mut d| d.next().is_some()).unwrap_or(false);
+    /// Open `dir` for the sweep `identity` and hold it (a second sweep cannot open it until this one ends).
+    pub fn open(dir: &Path, identity: &Identity, mode: FolderMode, all_units: &[UnitKey]) -> Result<(Folder, Journal)> {
+        let occupied = match dir.read_dir() {
+            Ok(mut entries) => entries.next().is_some(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => bail!("cannot read --out {}: {e}", dir.display()),
+        };
+        let units = dir.join(UNITS);
         if occupied {
-            let id_path = folder.units().join(IDENTITY);
+            let id_path = units.join(IDENTITY);
             if !id_path.exists() {
                 bail!("{} exists and does not hold a frspec sweep: choose another --out", dir.display());
             }
+        }
+        std::fs::create_dir_all(&units).with_context(|| format!("cannot create {}", units.display()))?;
+        let lock_path = units.join(LOCK);
+        let lock = std::fs::File::create(&lock_path).with_context(|| format!("cannot create {}", lock_path.display()))?;
+        if let Err(e) = lock.try_lock() {
+            bail!("{} is being written by another sweep ({e}): wait for it to end, or choose another --out", dir.display());
+        }
+        let folder = Folder { dir: dir.to_path_buf(), _lock: lock };
+        let fresh = Journal { done: BTreeMap::new(), notes: Vec::new() };
+        if occupied {
+            let id_path = folder.units().join(IDENTITY);
             let text = std::fs::read_to_string(&id_path).with_context(|| format!("cannot read {}", id_path.display()))?;
             let theirs: Identity = serde_json::from_str(&text).map_err(|e| anyhow!("{} is not a sweep identity: {e}", id_path.display()))?;
             let differences = identity.differences(&theirs);
@@ -86,11 +112,11 @@ impl Folder {
                     differences.join("; ")
                 ),
                 FolderMode::Resume => {
-                    let done = folder.finished(all_units)?;
-                    return Ok((folder, done));
+                    let journal = folder.finished(all_units)?;
+                    return Ok((folder, journal));
                 }
                 FolderMode::Fresh => {
-                    let done = folder.finished(all_units)?.len();
+                    let done = folder.finished(all_units)?.done.len();
                     bail!(
                         "{} already holds this sweep ({done} of {} units finished): pass --resume to continue it or --overwrite to start again",
                         dir.display(),
@@ -99,18 +125,20 @@ impl Folder {
                 }
             }
         }
-        std::fs::create_dir_all(folder.units()).with_context(|| format!("cannot create {}", folder.units().display()))?;
         write_atomic(&folder.units().join(IDENTITY), serde_json::to_string_pretty(identity)?.as_bytes())?;
-        Ok((folder, BTreeMap::new()))
+        Ok((folder, fresh))
     }
 
     fn units(&self) -> PathBuf {
         self.dir.join(UNITS)
     }
 
+    /// Remove what the sweep wrote, all but the lock this one holds.
     fn clear(&self) -> Result<()> {
-        for name in OWN {
-            let p = self.dir.join(name);
+        let journal = std::fs::read_dir(self.units()).with_context(|| format!("cannot read {}", self.units().display()))?;
+        let entries = journal.map(|e| Ok(e?.path())).collect::<std::io::Result<Vec<_>>>()?;
+        let own = OWN.iter().filter(|n| **n != UNITS).map(|n| self.dir.join(n));
+        for p in entries.into_iter().filter(|p| !p.ends_with(LOCK)).chain(own) {
             let gone = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
             match gone {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).with_context(|| format!("cannot remove {}", p.display())),
@@ -126,28 +154,35 @@ impl Folder {
         write_atomic(&self.units().join(key.file_name()), &bytes)
     }
 
-    /// Finished units and the seconds each took. A unit the plan does not have means the journal is not this sweep's.
-    fn finished(&self, all_units: &[UnitKey]) -> Result<BTreeMap<UnitKey, f64>> {
+    /// Finished units and the seconds each took. An entry that cannot be read back as the unit its name says is
+    /// redone (its file is written over); an entry the plan has no unit for is left alone; both are noted.
+    fn finished(&self, all_units: &[UnitKey]) -> Result<Journal> {
         let names: BTreeSet<String> = all_units.iter().map(UnitKey::file_name).collect();
-        let mut done = BTreeMap::new();
+        let mut journal = Journal { done: BTreeMap::new(), notes: Vec::new() };
         for entry in std::fs::read_dir(self.units()).with_context(|| format!("cannot read {}", self.units().display()))? {
             let path = entry?.path();
             let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
-            if name == IDENTITY || path.extension().is_some_and(|e| e == "partial") {
+            if name == IDENTITY || name == LOCK || path.extension().is_some_and(|e| e == "partial") {
                 continue;
             }
             if !names.contains(&name) {
-                bail!("{} is not a unit of this sweep: the journal is damaged; pass --overwrite to start again", path.display());
+                journal.notes.push(format!("ignoring {}: not a unit of this sweep", path.display()));
+                continue;
             }
-            let unit = self.read_unit(&path)?;
-            done.insert(unit.key, unit.secs);
+            match self.read_unit(&path) {
+                Ok(unit) if unit.key.file_name() == name => {
+                    journal.done.insert(unit.key, unit.secs);
+                }
+                Ok(_) => journal.notes.push(format!("redoing {name}: its journal entry holds another unit")),
+                Err(e) => journal.notes.push(format!("redoing {name}: {e:#}")),
+            }
         }
-        Ok(done)
+        Ok(journal)
     }
 
     fn read_unit(&self, path: &Path) -> Result<UnitFile> {
         let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        serde_json::from_slice(&bytes).map_err(|e| anyhow!("{} is damaged ({e}): pass --overwrite to start again", path.display()))
+        serde_json::from_slice(&bytes).map_err(|e| anyhow!("{} is damaged ({e})", path.display()))
     }
 
     /// Every journalled run of `units`, read back from disk whether this invocation or an earlier one made it, so a

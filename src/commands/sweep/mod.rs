@@ -235,7 +235,11 @@ impl Sweep<'_> {
         let identity = Identity { settings: settings_json.clone(), files };
 
         let all_units = plan.units(questions.len());
-        let (folder, done) = Folder::open(out, &identity, options.mode, &all_units)?;
+        let (folder, journal) = Folder::open(out, &identity, options.mode, &all_units)?;
+        for note in &journal.notes {
+            eprintln!("note: {note}");
+        }
+        let done = journal.done;
         let pending: Vec<UnitKey> = all_units.iter().filter(|k| !done.contains_key(k)).copied().collect();
         let mut observe = Observe { folder: &folder, progress: Progress::new(options.quiet, all_units.len(), done.len()), plan, questions, started: Instant::now() };
         let tokenizer: &Tokenizer = &self.target.tokenizer;
