@@ -68,6 +68,18 @@ impl FakeHub {
     }
 }
 
+/// frspec run with `args` against `hub`, its cache in `home`, online or offline.
+fn against(hub: &FakeHub, home: &Path, args: &[&str], offline: bool) -> std::process::Output {
+    let mut cmd = frspec();
+    cmd.args(args).env("HF_ENDPOINT", &hub.endpoint).env("HF_HOME", home).env_remove("HF_HUB_CACHE");
+    if offline {
+        cmd.env("HF_HUB_OFFLINE", "1");
+    } else {
+        cmd.env_remove("HF_HUB_OFFLINE");
+    }
+    cmd.output().unwrap()
+}
+
 fn repo_files(prefix: &str, dir: &Path) -> HashMap<String, Vec<u8>> {
     std::fs::read_dir(dir)
         .unwrap()
@@ -97,17 +109,7 @@ fn model_and_dataset_download_then_load_offline() {
     let tokens = home.path().join("tokens.json");
     std::fs::write(&tokens, "[256, 72, 105, 257]").unwrap();
     let score = |offline: bool| {
-        let mut cmd = frspec();
-        cmd.args(["score", "--json", "--model", "tiny-org/tiny-llama", "--tokens-file", tokens.to_str().unwrap()])
-            .env("HF_ENDPOINT", &hub.endpoint)
-            .env("HF_HOME", home.path())
-            .env_remove("HF_HUB_CACHE");
-        if offline {
-            cmd.env("HF_HUB_OFFLINE", "1");
-        } else {
-            cmd.env_remove("HF_HUB_OFFLINE");
-        }
-        let out = cmd.output().unwrap();
+        let out = against(&hub, home.path(), &["score", "--json", "--model", "tiny-org/tiny-llama", "--tokens-file", tokens.to_str().unwrap()], offline);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
@@ -120,26 +122,13 @@ fn model_and_dataset_download_then_load_offline() {
     assert!(home.path().join("hub/models--tiny-org--tiny-llama/snapshots").is_dir());
 
     // An EAGLE head that ships pytorch_model.bin, as yuhuili's do, drafting for the tiny target.
-    let out = frspec()
-        .args(["generate", "--model", "tiny-org/tiny-llama", "--draft", "tiny-org/tiny-eagle", "--prompt", "Hi", "--max-new-tokens", "8"])
-        .env("HF_ENDPOINT", &hub.endpoint)
-        .env("HF_HOME", home.path())
-        .env_remove("HF_HUB_OFFLINE")
-        .env_remove("HF_HUB_CACHE")
-        .output()
-        .unwrap();
+    let generate = ["generate", "--model", "tiny-org/tiny-llama", "--draft", "tiny-org/tiny-eagle", "--prompt", "Hi", "--max-new-tokens", "8"];
+    let out = against(&hub, home.path(), &generate, false);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && stderr.contains("EAGLE-1 head") && stderr.contains("mean acceptance length"), "{stderr}");
 
     // Names that would leave the cache are refused before any request or path is made of them.
-    let out = frspec()
-        .args(["score", "--model", "evil-org/evil-llama", "--tokens-file", tokens.to_str().unwrap()])
-        .env("HF_ENDPOINT", &hub.endpoint)
-        .env("HF_HOME", home.path())
-        .env_remove("HF_HUB_OFFLINE")
-        .env_remove("HF_HUB_CACHE")
-        .output()
-        .unwrap();
+    let out = against(&hub, home.path(), &["score", "--model", "evil-org/evil-llama", "--tokens-file", tokens.to_str().unwrap()], false);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.code() == Some(1) && stderr.contains("model repo evil-org/evil-llama: file name \"../../../../../escape.safetensors\" is not a plain relative path"), "{stderr}");
 
