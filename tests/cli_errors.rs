@@ -361,6 +361,12 @@ fn bad_training_input() {
     std::fs::write(&templates, r#"["Explain: {}"]"#).unwrap();
     let err = fails(&[&ok_args[..], &["--templates", templates.to_str().unwrap()]].concat(), &[]);
     assert!(err.contains("holds another training run (differs in: data)"), "{err}");
+    // The corpus is known by its content: edited in place, it makes other teacher data.
+    let text = std::fs::read_to_string(&corpus).unwrap();
+    std::fs::write(&corpus, format!("{text}\nA sentence added later, so the passages differ now.\n")).unwrap();
+    let err = fails(&ok_args, &[]);
+    assert!(err.contains("holds another training run (differs in: data)"), "{err}");
+    std::fs::write(&corpus, text).unwrap();
     ok_args.extend(["--seed", "9"]);
     let err = fails(&ok_args, &[]);
     assert!(err.contains("holds another training run (differs in: data, settings)"), "{err}");

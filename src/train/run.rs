@@ -181,7 +181,8 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     let mut data_identity = serde_json::json!({
         "target": o.target,
         "target_sha256": crate::outputs::manifest::sha256(&target.source)?,
-        "corpus": files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
+        // By content: a corpus edited in place makes other teacher data.
+        "corpus_sha256": files.iter().map(|f| crate::outputs::manifest::sha256(f)).collect::<Result<Vec<_>>>()?,
         "prompts": o.prompts,
         "max_new_tokens": o.max_new_tokens,
         "seed": s.seed,
@@ -192,7 +193,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     }
     let continuation_identity = serde_json::json!({
         "target_sha256": data_identity["target_sha256"],
-        "corpus": data_identity["corpus"],
+        "corpus_sha256": data_identity["corpus_sha256"],
         "count": o.continuations,
         "max_answer_tokens": o.max_new_tokens,
         "seed": s.seed,
@@ -207,7 +208,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         "data": data_identity,
         "settings": s,
         "keep": o.keep.map(|k| format!("{k:?}")),
-        "freq": o.freq.as_ref().map(|f| f.display().to_string()),
+        "freq_sha256": o.freq.as_deref().map(crate::outputs::manifest::sha256).transpose()?,
     });
     // Absent when unused, so folders made before continuations existed keep their identity.
     if o.continuations > 0 {
