@@ -331,9 +331,18 @@ fn load_torch(path: &Path) -> Result<Frequencies> {
                 .read_to_end(&mut raw)?;
             let storage = Tensor::from_raw_buffer(&raw, info.dtype, &[info.storage_size], &Device::Cpu)
                 .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-            let n = info.layout.shape().elem_count();
-            let t = storage.narrow(0, info.layout.start_offset(), n)?;
-            per_token(&t, path)
+            // The tensor is a view of its storage: an offset and a stride say which elements are its own. (candle's
+            // pickle reader gives the offset in bytes.)
+            let (dims, strides) = (info.layout.dims(), info.layout.stride());
+            let start = info.layout.start_offset() / info.dtype.size_in_bytes();
+            let ([n], [stride]) = (dims, strides) else {
+                bail!("{}: a frequency tensor must be 1-D (one count per token id), got shape {dims:?}", path.display());
+            };
+            if *n > 0 && start + (n - 1) * stride >= info.storage_size {
+                bail!("{}: the tensor reaches past the {} elements of its storage", path.display(), info.storage_size);
+            }
+            let own: Vec<u32> = (0..*n).map(|i| (start + i * stride) as u32).collect();
+            per_token(&storage.index_select(&Tensor::new(own.as_slice(), &Device::Cpu)?, 0)?, path)
         }
     }
 }

@@ -13,7 +13,7 @@ const RANKING: [u32; 16] = [5, 3, 9, 0, 12, 8, 4, 1, 15, 2, 6, 7, 10, 11, 13, 14
 
 #[test]
 fn vllm_frequency_tensors_in_every_format_rank_alike() {
-    for file in ["token_freq.pt", "token_freq.npy", "token_freq.safetensors", "token_freq_f32.npy"] {
+    for file in ["token_freq.pt", "token_freq.npy", "token_freq.safetensors", "token_freq_f32.npy", "token_freq_strided.pt"] {
         let f = Frequencies::load(&fixture(file)).unwrap();
         assert_eq!(f.ranking, RANKING, "{file}");
         let keep = f.keep_set(KeepRule::Ratio(0.5), 16, &[]).unwrap();
@@ -86,6 +86,8 @@ fn bad_frequency_input_is_refused_with_the_file_named() {
     for bad in [KeepRule::Ratio(1.0), KeepRule::Ratio(-0.1), KeepRule::Keep(0), KeepRule::Mass(0.0)] {
         assert!(f.keep_set(bad, 16, &[]).is_err(), "{bad:?}");
     }
+    let err = Frequencies::load(&fixture("token_freq_2d.pt")).unwrap_err().to_string();
+    assert!(err.contains("token_freq_2d.pt: a frequency tensor must be 1-D") && err.contains("[4, 4]"), "{err}");
     let err = Frequencies::load(&fixture("missing.pt")).unwrap_err().to_string();
     assert!(err.contains("missing.pt") && err.contains("does not exist"), "{err}");
     let err = Frequencies::load(&fixture("README.md")).unwrap_err().to_string();
