@@ -7,7 +7,9 @@
 #   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s, verification passes of
 #      k + 1 = 5 and 64 tokens, and the speculative loop with a random EAGLE-1 head at each ratio (its tokens/s and
 #      drafting time; acceptance is meaningless with random weights, speed is not), each against the limit the
-#      measured read bandwidth sets for the bytes it must read (printed as a table after the JSON)
+#      measured read bandwidth sets for the bytes it must read (printed as a table after the JSON); then the
+#      batched speculative loop at B = 1, 8, 32, 64 (steps/s, and the minutes the llama31-eagle preset's sampled
+#      cells with 5 repeats would take at that speed for mean acceptance lengths 1.5–3)
 #   4. a sweep of a synthetic target drafted by its first three layers on the GPU (candle engine, f32) against the
 #      same sweep on the CPU engine: `check` must pass and every T = 0 record must be identical (exit 1 otherwise);
 #      scripts/compare-sweeps.py also says how close the sampled records are
@@ -69,6 +71,10 @@ for v in b["verify"]:
     print(f"{'verify ' + str(v['tokens']) + ' tokens':<28} {1e3 * v['secs']:>9.3f} {1e3 * limit:>9.3f} {100 * v['share']:>6.1f}%")
 for d in b["drafts"]:
     print(f"{'EAGLE-1 draft, ratio ' + str(d['ratio']):<28} {1e3 * d['draft_step_secs']:>9.3f} {1e3 * d['draft_limit_secs']:>9.3f} {100 * d['draft_share']:>6.1f}%   loop {d['loop_tok_s']:.1f} tokens/s")
+lengths = b["acceptance_lengths"]
+print(f"{'batched loop, B':<16} {'steps/s':>9} {'tokens/s':>9}" + "".join(f" {'preset min@' + str(l):>15}" for l in lengths))
+for l in b["batched"]:
+    print(f"{l['batch']:<16} {l['steps_per_sec']:>9.1f} {l['tok_s']:>9.1f}" + "".join(f" {m:>15.1f}" for m in l["preset_minutes"]))
 PY
 
 echo "== 4. a sweep on the GPU (candle engine, f32) against the same sweep on the CPU engine"

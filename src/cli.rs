@@ -371,6 +371,9 @@ pub enum BenchCommand {
         /// Mean acceptance lengths at which to project speculative tokens/s.
         #[arg(long, value_delimiter = ',', default_value = "1.5,2,2.5,3")]
         lengths: Vec<f64>,
+        /// Candle backend: sequences the batched speculative loop decodes together, each measured.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+        batches: Vec<usize>,
         /// Also decode on the CPU engine and compare greedy tokens (with --model).
         #[arg(long)]
         compare_engine: bool,

@@ -177,6 +177,7 @@ fn run(cli: Cli) -> Result<()> {
             k,
             ratios,
             lengths,
+            batches,
             compare_engine,
             json,
         }) => {
@@ -195,6 +196,7 @@ fn run(cli: Cli) -> Result<()> {
                 k,
                 ratios: &ratios,
                 lengths: &lengths,
+                batches: &batches,
                 compare_engine,
                 json,
             };

@@ -73,6 +73,10 @@ pub struct SweepSpec {
     /// cpu (frspec's bit-exact kernels; the default on the CPU) or candle (the default on a GPU).
     #[arg(long, value_enum)]
     pub engine: Option<EngineKind>,
+    /// Sequences decoded together (default 8 on the CPU, 64 on a GPU). On the CPU engine the records do not depend
+    /// on it; on the candle engine it is part of the settings `check` and `--resume` compare.
+    #[arg(long)]
+    pub batch: Option<usize>,
 }
 
 impl SweepSpec {
@@ -210,6 +214,24 @@ pub struct Settings {
     /// Left out of the settings' JSON for the CPU engine, so folders made before engines existed keep their identity.
     #[serde(skip_serializing_if = "EngineKind::is_cpu")]
     pub engine: EngineKind,
+    /// Not in the settings' JSON: records depend on it only on the candle engine, whose sweeps add it
+    /// (`identity_json`).
+    #[serde(skip)]
+    pub batch: usize,
+}
+
+/// The most sequences one batch may hold: a slot holds a draft and a cache for the whole context.
+pub const MAX_BATCH: usize = 1024;
+
+impl Settings {
+    /// The settings a sweep folder and `check` know a sweep by: the batch size counts where records depend on it.
+    pub fn identity_json(&self) -> Result<serde_json::Value> {
+        let mut json = serde_json::to_value(self)?;
+        if !self.engine.is_cpu() {
+            json["batch"] = self.batch.into();
+        }
+        Ok(json)
+    }
 }
 
 /// The first number a layer sets that is not finite: NaN and ±∞ are no ratio, temperature or top-p, and merging
@@ -283,6 +305,10 @@ pub fn resolve(file: Option<&SweepSpec>, vllm: Option<&SweepSpec>, flags: &Sweep
         draft_mode: s.draft_mode.unwrap_or(DraftMode::Argmax),
         dtype: s.dtype.unwrap_or_else(|| if on_cpu { "f32" } else { "bf16" }.into()),
         engine: s.engine.unwrap_or(if on_cpu { EngineKind::Cpu } else { EngineKind::Candle }),
+        batch: match s.batch.unwrap_or(if on_cpu { 8 } else { 64 }) {
+            b @ 1..=MAX_BATCH => b,
+            b => bail!("batch is {b}: a sweep decodes 1 to {MAX_BATCH} sequences together"),
+        },
         device,
     })
 }

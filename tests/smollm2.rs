@@ -150,7 +150,7 @@ fn sampled_continuations_decoded_together_get_what_each_gets_alone() {
     let alone: Vec<Vec<u32>> = (0..4).map(|i| generate(&t.model, &t.tokenizer.stop_ids, &prefix, 24, sampling, &mut stream(i)).unwrap().tokens).collect();
     let mut streams: Vec<_> = (0..4).map(stream).collect();
     let (mut probs, mut order) = (Vec::new(), Vec::new());
-    let together = frspec::engine::cpu::continuations(&t.model, &t.tokenizer.stop_ids, &vec![prefix.as_slice(); 4], 24, &[], &mut |i, logits| {
+    let together = frspec::speculative::decode::continuations(&t.model, &t.tokenizer.stop_ids, &vec![prefix.as_slice(); 4], 24, &[], &mut |i, logits| {
         sampling.distribution(logits, &mut probs, &mut order);
         frspec::sampling::draw(&probs, &mut streams[i])
     })
@@ -173,7 +173,7 @@ fn prompts_decoded_together_get_what_each_gets_alone() {
     let reached_by = |x: &u32| alone.iter().filter(|a| a[..19].contains(x)).count();
     stops.push(*alone.concat().iter().max_by_key(|x| (reached_by(x), **x)).unwrap());
     let layers = [0, m.config.layers / 2];
-    let together = frspec::engine::cpu::greedy_continuations(m, &stops, &prompts, 20, &layers).unwrap();
+    let together = frspec::speculative::decode::greedy_continuations(m, &stops, &prompts, 20, &layers).unwrap();
     let mut stopped_early = 0;
     for ((prompt, answer), c) in prompts.iter().zip(&alone).zip(&together) {
         let end = answer.iter().position(|x| stops.contains(x)).map_or(answer.len(), |i| i + 1);

@@ -9,7 +9,8 @@ use frspec::text::chat::Message;
 use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
 use frspec::engine::cpu::draft::{build, EagleDraft, ModelDraft};
 use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode, TargetModel};
-use frspec::speculative::generate::generate;
+use frspec::speculative::generate::{generate, StopReason};
+use frspec::sweep::{Engine, Plan, Run, UnitKey};
 use frspec::engine::candle::draft::DraftWeights;
 use frspec::engine::candle::llama::Llama;
 use frspec::engine::cpu::draft::Loaded;
@@ -381,10 +382,8 @@ fn the_candle_engine_gives_the_cpu_engines_records_with_the_shipped_eagle_head()
     // The T = 0 path a sweep takes: the target's continuation once, every ratio's draft along it.
     for k in [1, 4] {
         for (i, prompt) in prompts.iter().enumerate() {
-            let mut pairs: Vec<(&mut dyn Draft<Model>, _)> = on_cpu.iter_mut().zip(&cpu_heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<Model>, h)).collect();
-            let (want, want_recs) = greedy_turns(&t.model, stop, &mut pairs, prompt, k, 64).unwrap();
-            let mut pairs: Vec<(&mut dyn Draft<Llama>, _)> = on_candle.iter_mut().zip(&candle_heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<Llama>, h)).collect();
-            let (got, recs) = greedy_turns(&llama, stop, &mut pairs, prompt, k, 64).unwrap();
+            let (want, want_recs) = greedy_turns(&t.model, stop, on_cpu[0].as_mut(), &cpu_heads.iter().collect::<Vec<_>>(), prompt, k, 64).unwrap();
+            let (got, recs) = greedy_turns(&llama, stop, on_candle[0].as_mut(), &candle_heads.iter().collect::<Vec<_>>(), prompt, k, 64).unwrap();
             assert_eq!(got, want, "k {k} prompt {i}: tokens");
             for ((rec, want_rec), ratio) in recs.iter().zip(&want_recs).zip(ratios) {
                 assert_eq!(rec.without_timings(), want_rec.without_timings(), "ratio {ratio} k {k} prompt {i}: record");
@@ -456,18 +455,12 @@ fn greedy_fast_path_gives_the_full_loops_counts_for_every_draft_and_ratio() {
                     full.push(speculative_turn(&t.model, &t.tokenizer.stop_ids, draft, head, &prompt, &cfg, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().1);
                 }
             }
-            // Each (draft, head) pair needs its own draft state.
-            let mut all: Vec<(&mut dyn Draft<Model>, &DraftHead<_>)> = Vec::new();
-            let mut eagles: Vec<EagleDraft> = ratios.iter().map(|_| EagleDraft::load(eagle_dir.path(), &t.model).unwrap()).collect();
-            let mut truncs: Vec<Box<dyn Draft<Model>>> = ratios.iter().map(|_| build(&DraftKind::Truncated(12), None, t, "smollm2").unwrap()).collect();
-            for (d, h) in eagles.iter_mut().zip(&eagle_heads) {
-                all.push((d as &mut dyn Draft<Model>, h));
-            }
-            for (d, h) in truncs.iter_mut().zip(&truncated_heads) {
-                all.push((d.as_mut(), h));
-            }
-            let (tokens, fast) = frspec::speculative::decode::greedy_turns(&t.model, &t.tokenizer.stop_ids, &mut all, &prompt, k, 48).unwrap();
+            // One draft runs along the continuation through every head, its state reset in between.
+            let (tokens, mut fast) = greedy_turns(&t.model, &t.tokenizer.stop_ids, &mut eagle, &eagle_heads.iter().collect::<Vec<_>>(), &prompt, k, 48).unwrap();
             assert_eq!(tokens, want_tokens);
+            let (tokens, more) = greedy_turns(&t.model, &t.tokenizer.stop_ids, truncated.as_mut(), &truncated_heads.iter().collect::<Vec<_>>(), &prompt, k, 48).unwrap();
+            assert_eq!(tokens, want_tokens);
+            fast.extend(more);
             for (i, (f, s)) in fast.iter().zip(&full).enumerate() {
                 let strip = |r: &TurnRecord| TurnRecord { target_secs: 0.0, draft_secs: 0.0, ..r.clone() };
                 assert_eq!(strip(f), strip(s), "k {k}, draft/ratio #{i}");
@@ -515,5 +508,53 @@ fn a_draft_identical_to_the_target_is_always_accepted() {
             assert_eq!(r.accepted, r.draft_tokens, "{mode:?} seed {seed}: {r:?}");
             assert!((r.expected_accepted - r.accepted as f64).abs() < 1e-9, "α = 1 everywhere: {r:?}");
         }
+    }
+}
+
+/// The sweep of `plan` over `questions` on one engine, `batch` sequences at a time, with the shipped EAGLE-1 head
+/// (one instance per slot) and a head per ratio; records without timings, in the order units finish.
+fn batched_sweep<'t, T: TargetModel>(target: &'t T, drafts: Vec<Box<dyn Draft<T> + 't>>, questions: &[frspec::text::dataset::Question], plan: &Plan) -> Vec<Run> {
+    let t = smollm2();
+    let heads: Vec<_> = plan.ratios.iter().map(|&r| DraftHead::new(drafts[0].lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
+    let mut drafts = drafts;
+    let mut engine = Engine { target, tokenizer: &t.tokenizer, drafts: &mut drafts, heads: &heads };
+    let mut runs = Vec::new();
+    frspec::sweep::run(&mut engine, questions, plan, &plan.units(questions.len()), &mut |_: UnitKey, unit: Vec<Run>| {
+        runs.extend(unit.into_iter().map(|r| Run { record: r.record.without_timings(), ..r }));
+        Ok(())
+    })
+    .unwrap();
+    runs
+}
+
+#[test]
+fn batched_sweeps_give_every_record_of_one_sequence_at_a_time_on_both_engines() {
+    let t = smollm2();
+    // Questions 83–85: SmolLM2 ends some of its sampled answers to them before 128 tokens.
+    let questions = frspec::text::dataset::load("mt-bench").unwrap()[2..5].to_vec();
+    let plan = Plan { ratios: vec![0.0, 0.9], temperatures: vec![0.0, 1.0], top_p: 1.0, repeats: 2, seed: 0, k: 4, turns: 1, max_new_tokens: 128, mode: DraftMode::Argmax };
+    let load = || frspec::engine::cpu::draft::load(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap();
+    let on_cpu = |batch: usize| batched_sweep(&t.model, (0..batch).map(|_| load().boxed()).collect(), &questions, &plan);
+    let one = on_cpu(1);
+    assert_eq!(one.len(), 2 * 2 * 2 * 3, "ratios × temperatures × repeats × prompts");
+    let sampled: Vec<&Run> = one.iter().filter(|r| r.temperature == 1.0).collect();
+    // Turns that end at different lengths share batches, and drafts are accepted: the comparison is not vacuous.
+    assert!(sampled.iter().any(|r| r.record.stop == Some(StopReason::EndOfTurn)) && sampled.iter().any(|r| r.record.stop == Some(StopReason::MaxTokens)));
+    assert!(one.iter().filter(|r| r.record.accepted > 0).count() > one.len() / 2);
+    let sorted = |mut runs: Vec<Run>| {
+        runs.sort_by(|a, b| (a.temperature, a.ratio, a.prompt_index, a.repeat).partial_cmp(&(b.temperature, b.ratio, b.prompt_index, b.repeat)).unwrap());
+        runs
+    };
+    let one = sorted(one);
+    assert_eq!(sorted(on_cpu(8)), one, "CPU engine: batch 8 vs 1");
+
+    // The candle engine on the CPU in f32: at T = 0 its records are the CPU engine's, batched or not.
+    let plan = Plan { temperatures: vec![0.0], ..plan };
+    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let weights = DraftWeights::from_engine(&load(), &llama).unwrap();
+    let greedy = |runs: &[Run]| runs.iter().filter(|r| r.temperature == 0.0).cloned().collect::<Vec<_>>();
+    for batch in [1, 8] {
+        let runs = sorted(batched_sweep(&llama, (0..batch).map(|_| weights.instance(&llama)).collect(), &questions, &plan));
+        assert_eq!(greedy(&runs), greedy(&one), "candle engine, batch {batch}: T = 0 records");
     }
 }

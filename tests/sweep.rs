@@ -21,15 +21,20 @@ fn plan(ratios: Vec<f64>) -> Plan {
 }
 
 fn sweep(target: &Target, draft_dir: &str, plan: &Plan, qs: &[Question]) -> anyhow::Result<Vec<Run>> {
+    sweep_batched(target, draft_dir, plan, qs, 2)
+}
+
+/// The sweep with `batch` sequences decoded together (one draft per slot).
+fn sweep_batched(target: &Target, draft_dir: &str, plan: &Plan, qs: &[Question], batch: usize) -> anyhow::Result<Vec<Run>> {
     let freqs = Frequencies::from_counts(&(0..260u64).map(|i| (i * 31) % 89).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
     let mut drafts: Vec<Box<dyn Draft<Model> + '_>> =
-        plan.ratios.iter().map(|_| build(&DraftKind::Model, Some(draft_dir), target, "unused")).collect::<anyhow::Result<_>>()?;
-    let heads = drafts
+        (0..batch).map(|_| build(&DraftKind::Model, Some(draft_dir), target, "unused")).collect::<anyhow::Result<_>>()?;
+    let heads = plan
+        .ratios
         .iter()
-        .zip(&plan.ratios)
-        .map(|(d, &r)| {
+        .map(|&r| {
             let keep = (r > 0.0).then(|| freqs.keep_set(KeepRule::Ratio(r), 260, &target.tokenizer.stop_ids)).transpose()?;
-            DraftHead::new(d.lm_head(), keep, HeadMode::Slice)
+            DraftHead::new(drafts[0].lm_head(), keep, HeadMode::Slice)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut runs = Vec::new();
@@ -65,6 +70,26 @@ fn the_matrix_runs_every_cell_repeats_exactly_and_shares_streams_across_ratios()
         assert_eq!((&c[0].record, &c[1].record), (&c[2].record, &c[3].record), "prompt {} repeat {}", c[0].prompt, c[0].repeat);
     }
     assert!(sampled.chunks(4).any(|c| c[0].record != sampled[0].record), "streams differ between prompts and repeats");
+}
+
+#[test]
+fn the_batch_size_changes_no_record_and_second_turns_follow_their_own_first() {
+    let dir = tempfile::tempdir().unwrap();
+    synthetic::write_model(&dir.path().join("target"), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
+    synthetic::write_model(&dir.path().join("draft"), &Shape::tiny(), 2, candle_core::DType::F32).unwrap();
+    let target = Target::load(dir.path().join("target").to_str().unwrap()).unwrap();
+    let draft = dir.path().join("draft");
+    let (qs, p) = (questions(2), plan(vec![0.0, 0.5, 0.9]));
+    let key = |r: &Run| (r.temperature.to_bits(), r.ratio.to_bits(), r.repeat, r.prompt_index, r.turn);
+    let sorted = |mut runs: Vec<Run>| {
+        runs.sort_by_key(key);
+        runs
+    };
+    let one = sorted(sweep_batched(&target, draft.to_str().unwrap(), &p, &qs, 1).unwrap());
+    assert_eq!(one.len(), 3 * 2 * 2 * 3 * 2);
+    for batch in [3, 8] {
+        assert_eq!(sorted(sweep_batched(&target, draft.to_str().unwrap(), &p, &qs, batch).unwrap()), one, "batch {batch}");
+    }
 }
 
 #[test]

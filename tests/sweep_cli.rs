@@ -224,6 +224,23 @@ fn check_passes_its_own_baseline_fails_a_doctored_one_and_refuses_what_it_cannot
         assert!(stderr.contains(&format!("its manifest lacks {}", strip.join("."))), "{name}: {stderr}");
     }
 
+    // Batch sizes, written by the candle engine, must agree when both sweeps have one; one side alone compares.
+    let batched = |name: &str, batch: Option<u64>| {
+        let dir = baseline_of(&f, &a, name);
+        let path = dir.join("manifest.json");
+        let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        if let Some(b) = batch {
+            manifest["settings"]["batch"] = b.into();
+        }
+        std::fs::write(&path, manifest.to_string()).unwrap();
+        dir
+    };
+    let (b8, b64, unbatched) = (batched("batch-8", Some(8)), batched("batch-64", Some(64)), batched("no-batch", None));
+    let (code, _, stderr) = check(&b8, &b64);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("batch: baseline 8, current 64"), "{stderr}");
+    assert_eq!(check(&unbatched, &b64).0, Some(0));
+
     // Unusable: other settings, missing cells, no summary, a corrupt summary.
     let longer = f.dir.path().join("longer");
     let args: Vec<&str> = SMALL.iter().map(|a| if *a == "8" { "9" } else { a }).collect();

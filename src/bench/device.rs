@@ -8,6 +8,7 @@ use crate::engine::candle::HEAD_ROW_MULTIPLE;
 use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Cache, Llama, OneTokenAttention};
 use crate::engine::cpu::model::{Config, Model};
 use crate::sampling::Sampling;
+use crate::speculative::decode::{speculative_turns, TurnJob, Turns};
 use crate::speculative::{speculative_turn, DraftHead, DraftMode, HeadMode, SpecConfig};
 use crate::vocab::KeepSet;
 use anyhow::{Context, Result};
@@ -166,6 +167,7 @@ pub struct DeviceDecodeBench {
     pub decode_step_secs: f64,
     pub acceptance_lengths: Vec<f64>,
     pub drafts: Vec<DraftCost>,
+    pub batched: Vec<BatchedLoop>,
     pub agreement: Option<Agreement>,
 }
 
@@ -187,6 +189,72 @@ pub struct DecodeSettings<'a> {
     pub k: usize,
     pub ratios: &'a [f64],
     pub acceptance_lengths: &'a [f64],
+    /// Sequences the batched speculative loop decodes together, one measurement each.
+    pub batches: &'a [usize],
+}
+
+/// The speculative loop decoding several sequences together (ratio 0, greedy, random head).
+#[derive(Clone, Debug, Serialize)]
+pub struct BatchedLoop {
+    pub batch: usize,
+    /// Speculative steps per second, all sequences together (a step drafts k tokens and verifies k + 1 per sequence).
+    pub steps_per_sec: f64,
+    /// Tokens per second with this random head (about one a step).
+    pub tok_s: f64,
+    /// Minutes the `llama31-eagle` preset's sampled cells (6 ratios × 80 MT-Bench prompts × 5 repeats × 256 tokens)
+    /// take at these steps/s, at each of the bench's acceptance lengths.
+    pub preset_minutes: Vec<f64>,
+}
+
+/// Tokens the `llama31-eagle` preset decodes speculatively with `--repeats 5`: its 6 ratios × MT-Bench's 80 prompts ×
+/// 5 repeats × 256 new tokens at T = 1 (T = 0 runs once through the fast path).
+const LLAMA31_PRESET_SAMPLED_TOKENS: f64 = 6.0 * 80.0 * 5.0 * 256.0;
+
+/// Steps/s of the batched speculative loop with `batch` slots of a random EAGLE-1 head: `batch` turns of up to
+/// `s.new_tokens` each, after one untimed round.
+fn batched_loop(model: &Llama, eagle: &DraftWeights, s: &DecodeSettings, batch: usize) -> Result<BatchedLoop> {
+    /// The same prompt `left` more times; tokens and steps of the turns that finished.
+    struct Repeated<'h> {
+        left: usize,
+        prompt: &'h [u32],
+        head: &'h DraftHead<crate::engine::candle::DeviceHead>,
+        tokens: usize,
+        steps: u64,
+    }
+    impl<'h> Turns<'h, crate::engine::candle::DeviceHead> for Repeated<'h> {
+        fn next(&mut self) -> Result<Option<TurnJob<'h, crate::engine::candle::DeviceHead>>> {
+            if self.left == 0 {
+                return Ok(None);
+            }
+            self.left -= 1;
+            let rng = <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(self.left as u64);
+            Ok(Some(TurnJob { id: self.left, prompt: self.prompt.to_vec(), head: self.head, rng: Box::new(rng) }))
+        }
+        fn finished(&mut self, _: usize, tokens: Vec<u32>, record: crate::speculative::TurnRecord) -> Result<()> {
+            self.tokens += tokens.len();
+            self.steps += record.drafts;
+            Ok(())
+        }
+    }
+    let mut drafts: Vec<_> = (0..batch).map(|_| eagle.instance(model)).collect();
+    let head = DraftHead::new(drafts[0].lm_head(), None, HeadMode::Slice)?;
+    let cfg = SpecConfig { k: s.k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: s.new_tokens };
+    let mut slots: Vec<&mut dyn crate::speculative::Draft<Llama>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
+    let mut timed = None;
+    for _ in 0..2 {
+        let mut turns = Repeated { left: batch, prompt: s.prompt, head: &head, tokens: 0, steps: 0 };
+        let t = Instant::now();
+        speculative_turns(model, &[], &mut slots, &cfg, &mut turns)?;
+        timed = Some((turns, t.elapsed().as_secs_f64()));
+    }
+    let (turns, secs) = timed.expect("two rounds ran");
+    let steps_per_sec = turns.steps as f64 / secs;
+    Ok(BatchedLoop {
+        batch,
+        steps_per_sec,
+        tok_s: turns.tokens as f64 / secs,
+        preset_minutes: s.acceptance_lengths.iter().map(|l| LLAMA31_PRESET_SAMPLED_TOKENS / l / steps_per_sec / 60.0).collect(),
+    })
 }
 
 /// Target-only decode speed and the cost of a speculative step at each ratio, timed in the speculative loop. Draft
@@ -276,6 +344,8 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         });
     }
 
+    let batched = s.batches.iter().map(|&b| batched_loop(model, &eagle, s, b)).collect::<Result<Vec<_>>>()?;
+
     let agreement = engine
         .map(|m| -> Result<Agreement> {
             let engine = super::engine_greedy(m, s.prompt, s.new_tokens)?;
@@ -314,6 +384,7 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         decode_step_secs,
         acceptance_lengths: s.acceptance_lengths.to_vec(),
         drafts,
+        batched,
         agreement,
     })
 }

@@ -28,6 +28,10 @@ pub struct DecodeBench {
     /// training data is generated).
     pub sequences: usize,
     pub batched_decode_tok_s: f64,
+    /// Median seconds of `sequences` blocks of `block` rows (verification blocks, logits for every row) forwarded
+    /// one sequence at a time, and together in one batched forward (how a batched sweep verifies).
+    pub blocks_apart_secs: f64,
+    pub blocks_together_secs: f64,
     pub decode_tok_s_runs: Vec<f64>,
     pub prefill_tok_s_runs: Vec<f64>,
     pub batched_decode_tok_s_runs: Vec<f64>,
@@ -82,6 +86,7 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         }
     }
     let block_cost_ratio = block_cost(model, &prompt, block, runs.max(5) * 4)?;
+    let (blocks_apart_secs, blocks_together_secs) = blocks_batched(model, &prompt, block, sequences, runs.max(5))?;
     Ok(DecodeBench {
         prompt_tokens: prompt.len(),
         new_tokens,
@@ -93,6 +98,8 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         block_cost_ratio,
         sequences,
         batched_decode_tok_s: median(&batched_runs),
+        blocks_apart_secs,
+        blocks_together_secs,
         decode_tok_s_runs: decode_runs,
         prefill_tok_s_runs: prefill_runs,
         batched_decode_tok_s_runs: batched_runs,
@@ -125,6 +132,33 @@ fn block_cost(model: &Model, prompt: &[u32], block: usize, reps: usize) -> Resul
         cache.truncate(base);
     }
     Ok(median(&many) / median(&one))
+}
+
+/// Median seconds of `sequences` verification blocks of `block` rows on top of the prompt: forwarded one by one,
+/// and in one `forward_sequences`.
+fn blocks_batched(model: &Model, prompt: &[u32], block: usize, sequences: usize, reps: usize) -> Result<(f64, f64)> {
+    let mut caches = vec![model.new_cache(); sequences];
+    for cache in &mut caches {
+        model.forward(prompt, cache, &[], &[])?;
+    }
+    let base = caches[0].len();
+    let tokens: Vec<u32> = prompt.iter().cycle().take(block * sequences).copied().collect();
+    let rows: Vec<usize> = (0..block * sequences).collect();
+    let (mut apart, mut together) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let t = Instant::now();
+        for (cache, tokens) in caches.iter_mut().zip(tokens.chunks_exact(block)) {
+            model.forward(tokens, cache, &rows[..block], &[])?;
+        }
+        apart.push(t.elapsed().as_secs_f64());
+        caches.iter_mut().for_each(|c| c.truncate(base));
+        let mut batch: Vec<&mut crate::engine::cpu::model::Cache> = caches.iter_mut().collect();
+        let t = Instant::now();
+        model.forward_sequences(&tokens, &mut batch, &vec![block; sequences], &rows, &[])?;
+        together.push(t.elapsed().as_secs_f64());
+        caches.iter_mut().for_each(|c| c.truncate(base));
+    }
+    Ok((median(&apart), median(&together)))
 }
 
 /// Draft-head and draft-step cost at one keep size and head mode.
@@ -259,8 +293,8 @@ pub fn fast_path<'a>(
     let t = Instant::now();
     let mut fast = Vec::new();
     for prompt in prompts {
-        let mut pairs: Vec<(&mut dyn Draft<Model>, &DraftHead<_>)> = drafts.iter_mut().zip(&heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<Model>, h)).collect();
-        fast.extend(greedy_turns(&target.model, stop, &mut pairs, prompt, k, max_new_tokens)?.1.iter().map(strip));
+        let heads: Vec<&DraftHead<_>> = heads.iter().collect();
+        fast.extend(greedy_turns(&target.model, stop, drafts[0].as_mut(), &heads, prompt, k, max_new_tokens)?.1.iter().map(strip));
     }
     let fast_path_secs = t.elapsed().as_secs_f64();
     Ok(FastPathBench {

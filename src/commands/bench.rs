@@ -27,6 +27,7 @@ pub struct Decode<'a> {
     pub k: usize,
     pub ratios: &'a [f64],
     pub lengths: &'a [f64],
+    pub batches: &'a [usize],
     pub compare_engine: bool,
     pub json: bool,
 }
@@ -47,11 +48,22 @@ pub fn decode(r: &Decode) -> Result<bool> {
             println!("prefill {:>8.1} tokens/s  ({} prompt tokens)", b.prefill_tok_s, b.prompt_tokens);
             println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);
             println!("decode  {:>8.1} tokens/s  ({} sequences together, {:.2}× one alone)", b.batched_decode_tok_s, b.sequences, b.batched_decode_tok_s / b.decode_tok_s);
+            println!(
+                "{} blocks of {}: {:.1} ms one by one, {:.1} ms together ({:.2}×)",
+                b.sequences,
+                b.block,
+                1e3 * b.blocks_apart_secs,
+                1e3 * b.blocks_together_secs,
+                b.blocks_apart_secs / b.blocks_together_secs
+            );
         }
         return Ok(true);
     }
     if r.lengths.iter().any(|l| !(*l >= 1.0)) {
         bail!("--lengths: every mean acceptance length is at least 1");
+    }
+    if r.batches.iter().any(|&b| b == 0 || b > crate::spec::MAX_BATCH) {
+        bail!("--batches: every batch is 1 to {}", crate::spec::MAX_BATCH);
     }
     let device = candle::device(r.device)?;
     let dt = candle::dtype(r.dtype)?;
@@ -82,6 +94,7 @@ pub fn decode(r: &Decode) -> Result<bool> {
         k: r.k,
         ratios: r.ratios,
         acceptance_lengths: r.lengths,
+        batches: r.batches,
     };
     let b = crate::bench::device::decode(&llama, &weights, &settings, engine.as_ref())?;
     if r.json {
@@ -112,6 +125,13 @@ pub fn decode(r: &Decode) -> Result<bool> {
             let (draft_ms, limit_ms, step_ms) = (1e3 * d.draft_step_secs, 1e3 * d.draft_limit_secs, 1e3 * d.speculative_step_secs);
             let share = format!("{:.1}%", 100.0 * d.draft_share);
             println!("{:>6} {:>8} {draft_ms:>10.3} {limit_ms:>10.3} {share:>7} {step_ms:>10.3} {:>11.1} {:>11.2} {projected}", d.ratio, d.kept, d.loop_tok_s, d.break_even_length);
+        }
+        let header: String = r.lengths.iter().map(|l| format!("{:>11}", format!("min@{l}"))).collect();
+        println!("batched loop (ratio 0, k {}): minutes the llama31-eagle preset's sampled cells would take at this speed (at --shape llama31-8b)", b.k);
+        println!("{:>6} {:>10} {:>11} {header}", "batch", "steps/s", "tokens/s");
+        for l in &b.batched {
+            let minutes: String = l.preset_minutes.iter().map(|m| format!("{m:>11.1}")).collect();
+            println!("{:>6} {:>10.1} {:>11.1} {minutes}", l.batch, l.steps_per_sec, l.tok_s);
         }
         if let Some(a) = &b.agreement {
             match a.first_difference {

@@ -98,6 +98,13 @@ fn incomparable(base: &SweepResult, cur: &SweepResult) -> Vec<String> {
             out.push(format!("{key}: baseline {a}, current {b}"));
         }
     }
+    // The candle engine writes its batch size into the settings (its records may depend on it): two of its sweeps
+    // compare at the same batch only. A CPU-engine sweep (records independent of the batch) compares with either.
+    if let (Some(a), Some(b)) = (base.manifest["settings"].get("batch"), cur.manifest["settings"].get("batch")) {
+        if a != b {
+            out.push(format!("batch: baseline {a}, current {b}"));
+        }
+    }
     let roles = |m: &serde_json::Value| m["files"].as_object().map(|f| f.keys().cloned().collect::<std::collections::BTreeSet<_>>()).unwrap_or_default();
     for role in roles(&base.manifest).union(&roles(&cur.manifest)) {
         if cur.manifest["files"][role]["sha256"] != base.manifest["files"][role]["sha256"] {

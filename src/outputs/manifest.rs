@@ -110,6 +110,8 @@ pub struct Manifest<'a> {
     /// sha256 of what was read: model, draft, frequency file, dataset.
     pub files: &'a BTreeMap<String, FileDigest>,
     pub hardware: Hardware,
+    /// Sequences decoded together in this invocation.
+    pub batch: usize,
     /// Seconds of this invocation, and of all invocations that built the folder (resumes add up).
     pub wall_secs: f64,
     pub total_wall_secs: f64,

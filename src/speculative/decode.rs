@@ -4,7 +4,7 @@
 
 use super::draft::{Context, Draft, DraftHead, DraftMode, Proposal};
 use super::generate::StopReason;
-use super::{HeadRows, Positions, TargetModel};
+use super::{Block, HeadRows, Positions, TargetModel};
 use crate::sampling::{draw, Sampling};
 use crate::stats::{Counts, Metric};
 use anyhow::{bail, Result};
@@ -93,15 +93,249 @@ fn verification_limit(drafts: &[u32], stop_ids: &[u32]) -> usize {
     drafts.iter().position(|t| stop_ids.contains(t)).map_or(drafts.len(), |p| p + 1)
 }
 
-/// Buffers the loop reuses between steps and turns.
-#[derive(Default)]
-struct Scratch {
-    logits: Vec<f32>,
+/// A turn for the loop to decode: its prompt, the (pruned) head its drafts go through and its own random stream,
+/// from which every draw of the turn comes, whatever else the loop decodes beside it.
+pub struct TurnJob<'h, H> {
+    /// The caller's name for the turn, handed back when it finishes.
+    pub id: usize,
+    pub prompt: Vec<u32>,
+    pub head: &'h DraftHead<H>,
+    pub rng: Box<dyn rand::Rng + 'h>,
+}
+
+/// Where the loop takes its turns from and gives them back.
+pub trait Turns<'h, H> {
+    /// The next turn to start, in a fixed order; None when there is none for now (a turn that follows one still
+    /// running may come later: the loop asks again each time a slot frees).
+    fn next(&mut self) -> Result<Option<TurnJob<'h, H>>>;
+    /// Turn `id` finished with these generated ids (ending with the stop token when that ended it).
+    fn finished(&mut self, id: usize, tokens: Vec<u32>, record: TurnRecord) -> Result<()>;
+}
+
+/// A turn being decoded in one of the loop's slots.
+struct Running<'h, H> {
+    id: usize,
+    head: &'h DraftHead<H>,
+    rng: Box<dyn rand::Rng + 'h>,
+    prompt_len: usize,
+    rec: TurnRecord,
+    /// The prompt still has to go through the target (its block is the prompt).
+    prefill: bool,
+}
+
+/// One slot of the loop: the turn it holds and the state that is reused from turn to turn.
+struct Slot<'h, T: TargetModel> {
+    turn: Option<Running<'h, T::Head>>,
+    tokens: Vec<u32>,
+    cache: T::Cache,
+    features: T::Features,
+    /// This step's block for the target, the rows of it whose logits come back, and those logits.
     block: Vec<u32>,
+    rows: Vec<usize>,
+    logits: Vec<f32>,
+    /// Drafts proposed this step, and the token count before it.
+    k: usize,
+    n: usize,
+    proposal: Proposal,
     p: Vec<f32>,
     residual: Vec<f32>,
     order: Vec<u32>,
-    proposal: Proposal,
+}
+
+/// Speculative decoding of every turn `turns` hands out, `drafts.len()` at a time: each step, every slot drafts
+/// (with its own draft) and the target verifies all slots' blocks in one `forward_blocks`; a finished turn's slot
+/// takes the next turn at once (its prompt joins the next forward). A turn's draws come from its own stream in the
+/// order one turn alone would make them, so on an engine whose blocks do not depend on their neighbours its
+/// record and tokens do not depend on the number of slots (tested). Time of a shared forward is split equally.
+pub fn speculative_turns<'h, T: TargetModel>(
+    target: &T,
+    stop_ids: &[u32],
+    drafts: &mut [&mut dyn Draft<T>],
+    cfg: &SpecConfig,
+    turns: &mut dyn Turns<'h, T::Head>,
+) -> Result<()>
+where
+    T::Head: 'h,
+{
+    if cfg.k == 0 {
+        bail!("k (draft tokens per step) must be at least 1");
+    }
+    if drafts.is_empty() {
+        bail!("speculative decoding needs at least one draft slot");
+    }
+    let (v, ctx_limit) = (target.vocab(), target.context_length());
+    let layers = drafts[0].target_layers();
+    if let Some(d) = drafts.iter().find(|d| d.target_layers() != layers) {
+        bail!("the drafts of one loop read the same target layers; {} reads {:?}, not {layers:?}", d.describe(), d.target_layers());
+    }
+    let mut slots: Vec<Slot<T>> = (0..drafts.len())
+        .map(|_| Slot {
+            turn: None,
+            tokens: Vec::new(),
+            cache: target.new_cache(),
+            features: target.new_features(&layers),
+            block: Vec::new(),
+            rows: Vec::new(),
+            logits: Vec::new(),
+            k: 0,
+            n: 0,
+            proposal: Proposal::default(),
+            p: Vec::new(),
+            residual: Vec::new(),
+            order: Vec::new(),
+        })
+        .collect();
+    let stopped = |t: u32| stop_ids.contains(&t);
+    loop {
+        // Turns out of new tokens or context end before drafting.
+        for slot in slots.iter_mut().filter(|s| s.turn.as_ref().is_some_and(|t| !t.prefill)) {
+            let turn = slot.turn.as_mut().expect("filtered");
+            let remaining = cfg.max_new_tokens.saturating_sub(slot.tokens.len() - turn.prompt_len);
+            // One step emits up to k + 1 tokens and needs k + 1 more positions in the target's context.
+            let room = ctx_limit.saturating_sub(slot.cache.len() + 1);
+            if remaining == 0 || room == 0 {
+                turn.rec.stop = Some(if remaining == 0 { StopReason::MaxTokens } else { StopReason::ContextLimit });
+                finish(slot, turns)?;
+            } else {
+                slot.k = drafts_allowed(cfg.k, remaining, room);
+            }
+        }
+        // Free slots take the next turns, in order.
+        for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()).filter(|(s, _)| s.turn.is_none()) {
+            let Some(job) = turns.next()? else { break };
+            if job.prompt.is_empty() {
+                bail!("empty prompt");
+            }
+            if job.head.vocab() != v {
+                bail!("the draft head has {} rows, the target vocabulary is {v}", job.head.vocab());
+            }
+            draft.reset();
+            slot.cache.truncate(0)?;
+            slot.features.truncate(0)?;
+            slot.block.clone_from(&job.prompt);
+            slot.rows.clear();
+            slot.rows.push(job.prompt.len() - 1);
+            let rec = TurnRecord { prompt_tokens: job.prompt.len(), accepted_per_pos: vec![0; cfg.k], ..TurnRecord::default() };
+            slot.turn = Some(Running { id: job.id, head: job.head, rng: job.rng, prompt_len: job.prompt.len(), rec, prefill: true });
+            slot.tokens = job.prompt;
+        }
+        let active = slots.iter().filter(|s| s.turn.is_some()).count();
+        if active == 0 {
+            return Ok(());
+        }
+
+        for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()) {
+            let Some(turn) = slot.turn.as_mut().filter(|t| !t.prefill) else { continue };
+            let k = slot.k;
+            slot.n = slot.tokens.len();
+            slot.block.clear();
+            slot.block.push(slot.tokens[slot.n - 1]);
+            slot.proposal.tokens.clear();
+            if k > 0 {
+                let t = Instant::now();
+                let ctx = Context { tokens: &slot.tokens, features: &slot.features };
+                draft.propose(&ctx, k, turn.head, cfg.mode, cfg.sampling, &mut turn.rng, &mut slot.proposal)?;
+                turn.rec.draft_secs += t.elapsed().as_secs_f64();
+                slot.block.extend_from_slice(&slot.proposal.tokens);
+            }
+            slot.rows.clear();
+            slot.rows.extend(0..=k);
+        }
+
+        let t = Instant::now();
+        let mut blocks: Vec<Block<T>> = slots
+            .iter_mut()
+            .filter(|s| s.turn.is_some())
+            .map(|s| Block { tokens: &s.block, cache: &mut s.cache, logit_rows: &s.rows, features: Some(&mut s.features), logits: &mut s.logits })
+            .collect();
+        target.forward_blocks(&mut blocks)?;
+        drop(blocks);
+        let shared = t.elapsed().as_secs_f64() / active as f64;
+
+        for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()).filter(|(s, _)| s.turn.is_some()) {
+            let t = Instant::now();
+            let turn = slot.turn.as_mut().expect("filtered");
+            if turn.prefill {
+                turn.prefill = false;
+                cfg.sampling.distribution(&slot.logits, &mut slot.p, &mut slot.order);
+                let first = draw(&slot.p, &mut turn.rng);
+                slot.tokens.push(first);
+                if stopped(first) {
+                    turn.rec.stop = Some(StopReason::EndOfTurn);
+                }
+            } else {
+                let accepted = verify(slot, cfg, stop_ids, v)?;
+                draft.rollback(slot.n, accepted)?;
+            }
+            let turn = slot.turn.as_mut().expect("still held");
+            turn.rec.target_secs += shared + t.elapsed().as_secs_f64();
+            if turn.rec.stop.is_some() {
+                finish(slot, turns)?;
+            }
+        }
+    }
+}
+
+/// Verify a slot's drafts against the target's logits of its block: accept or reject each (rejection sampling),
+/// add the recovered or bonus token, roll the cache and features back to the accepted prefix. Returns how many
+/// drafts were accepted.
+fn verify<T: TargetModel>(slot: &mut Slot<T>, cfg: &SpecConfig, stop_ids: &[u32], v: usize) -> Result<usize> {
+    let stopped = |t: u32| stop_ids.contains(&t);
+    let (k, n) = (slot.k, slot.n);
+    let turn = slot.turn.as_mut().expect("a running turn");
+    let proposal = &slot.proposal;
+    let limit = verification_limit(&proposal.tokens[..k], stop_ids);
+    let mut accepted = 0;
+    let mut next = None;
+    let mut survive = 1.0f64;
+    let mut expected = 0.0f64;
+    for i in 0..limit {
+        cfg.sampling.distribution(&slot.logits[i * v..(i + 1) * v], &mut slot.p, &mut slot.order);
+        let x = proposal.tokens[i];
+        let alpha = (slot.p[x as usize] as f64 / proposal.q_token[i] as f64).min(1.0);
+        survive *= alpha;
+        expected += survive;
+        if next.is_some() {
+            continue;
+        }
+        let u: f64 = turn.rng.random();
+        if u < alpha {
+            accepted += 1;
+        } else {
+            next = Some(recover(&slot.p, proposal, i, turn.head, &mut slot.residual, &mut turn.rng));
+        }
+    }
+    let ended_on_draft = next.is_none() && accepted > 0 && stopped(proposal.tokens[accepted - 1]);
+    let next = match next {
+        Some(t) => Some(t),
+        None if ended_on_draft => None,
+        None => {
+            cfg.sampling.distribution(&slot.logits[k * v..(k + 1) * v], &mut slot.p, &mut slot.order);
+            Some(draw(&slot.p, &mut turn.rng))
+        }
+    };
+    if k > 0 {
+        turn.rec.count_step(limit, accepted, expected);
+    }
+    // Keep the target's positions up to the last accepted draft; the new token is fed next step.
+    slot.cache.truncate(n + accepted)?;
+    slot.features.truncate(n + accepted)?;
+    for &t in proposal.tokens[..accepted].iter().chain(next.iter()) {
+        slot.tokens.push(t);
+        if stopped(t) {
+            turn.rec.stop = Some(StopReason::EndOfTurn);
+            break;
+        }
+    }
+    Ok(accepted)
+}
+
+/// Hand a slot's finished turn back and free the slot.
+fn finish<T: TargetModel>(slot: &mut Slot<T>, turns: &mut dyn Turns<'_, T::Head>) -> Result<()> {
+    let mut turn = slot.turn.take().expect("a running turn");
+    let generated = slot.tokens[turn.prompt_len..].to_vec();
+    turn.rec.generated = generated.len();
+    turns.finished(turn.id, generated, turn.rec)
 }
 
 /// Generate one turn after `prompt`, speculatively. Returns the generated ids (ending with the stop token when
@@ -115,112 +349,24 @@ pub fn speculative_turn<T: TargetModel>(
     cfg: &SpecConfig,
     rng: &mut dyn rand::Rng,
 ) -> Result<(Vec<u32>, TurnRecord)> {
-    if cfg.k == 0 {
-        bail!("k (draft tokens per step) must be at least 1");
+    /// The one turn, and what became of it.
+    struct One<'h, H> {
+        job: Option<TurnJob<'h, H>>,
+        done: Option<(Vec<u32>, TurnRecord)>,
     }
-    if prompt.is_empty() {
-        bail!("empty prompt");
-    }
-    if head.vocab() != target.vocab() {
-        bail!("the draft head has {} rows, the target vocabulary is {}", head.vocab(), target.vocab());
-    }
-    let (v, ctx_limit) = (target.vocab(), target.context_length());
-    let mut s = Scratch::default();
-    let mut rec = TurnRecord { prompt_tokens: prompt.len(), accepted_per_pos: vec![0; cfg.k], ..TurnRecord::default() };
-    draft.reset();
-    let mut cache = target.new_cache();
-    let mut features = target.new_features(&draft.target_layers());
-    let block_rows: Vec<usize> = (0..=cfg.k).collect();
-    let t0 = Instant::now();
-    target.forward(prompt, &mut cache, &[prompt.len() - 1], Some(&mut features), &mut s.logits)?;
-    cfg.sampling.distribution(&s.logits, &mut s.p, &mut s.order);
-    let first = draw(&s.p, rng);
-    rec.target_secs += t0.elapsed().as_secs_f64();
-    let mut tokens = prompt.to_vec();
-    tokens.push(first);
-    let stopped = |t: u32| stop_ids.contains(&t);
-    if stopped(first) {
-        rec.stop = Some(StopReason::EndOfTurn);
-    }
-
-    while rec.stop.is_none() {
-        let generated = tokens.len() - prompt.len();
-        let remaining = cfg.max_new_tokens.saturating_sub(generated);
-        if remaining == 0 {
-            rec.stop = Some(StopReason::MaxTokens);
-            break;
+    impl<'h, H> Turns<'h, H> for One<'h, H> {
+        fn next(&mut self) -> Result<Option<TurnJob<'h, H>>> {
+            Ok(self.job.take())
         }
-        // One step emits up to k + 1 tokens and needs k + 1 more positions in the target's context.
-        let room = ctx_limit.saturating_sub(cache.len() + 1);
-        if room == 0 {
-            rec.stop = Some(StopReason::ContextLimit);
-            break;
-        }
-        let k = drafts_allowed(cfg.k, remaining, room);
-        let n = tokens.len();
-        s.block.clear();
-        s.block.push(tokens[n - 1]);
-        s.proposal.tokens.clear();
-        if k > 0 {
-            let t = Instant::now();
-            let ctx = Context { tokens: &tokens, features: &features };
-            draft.propose(&ctx, k, head, cfg.mode, cfg.sampling, rng, &mut s.proposal)?;
-            rec.draft_secs += t.elapsed().as_secs_f64();
-            s.block.extend_from_slice(&s.proposal.tokens);
-        }
-
-        let t = Instant::now();
-        target.forward(&s.block, &mut cache, &block_rows[..=k], Some(&mut features), &mut s.logits)?;
-        let limit = verification_limit(&s.proposal.tokens[..k], stop_ids);
-        let mut accepted = 0;
-        let mut next = None;
-        let mut survive = 1.0f64;
-        let mut expected = 0.0f64;
-        for i in 0..limit {
-            cfg.sampling.distribution(&s.logits[i * v..(i + 1) * v], &mut s.p, &mut s.order);
-            let x = s.proposal.tokens[i];
-            let alpha = (s.p[x as usize] as f64 / s.proposal.q_token[i] as f64).min(1.0);
-            survive *= alpha;
-            expected += survive;
-            if next.is_some() {
-                continue;
-            }
-            let u: f64 = rng.random();
-            if u < alpha {
-                accepted += 1;
-            } else {
-                next = Some(recover(&s.p, &s.proposal, i, head, &mut s.residual, rng));
-            }
-        }
-        let ended_on_draft = next.is_none() && accepted > 0 && stopped(s.proposal.tokens[accepted - 1]);
-        let next = match next {
-            Some(t) => Some(t),
-            None if ended_on_draft => None,
-            None => {
-                cfg.sampling.distribution(&s.logits[k * v..(k + 1) * v], &mut s.p, &mut s.order);
-                Some(draw(&s.p, rng))
-            }
-        };
-        rec.target_secs += t.elapsed().as_secs_f64();
-        if k > 0 {
-            rec.count_step(limit, accepted, expected);
-        }
-
-        // Keep the target's positions up to the last accepted draft; the new token is fed next step.
-        cache.truncate(n + accepted)?;
-        features.truncate(n + accepted)?;
-        draft.rollback(n, accepted)?;
-        for &t in s.proposal.tokens[..accepted].iter().chain(next.iter()) {
-            tokens.push(t);
-            if stopped(t) {
-                rec.stop = Some(StopReason::EndOfTurn);
-                break;
-            }
+        fn finished(&mut self, _: usize, tokens: Vec<u32>, record: TurnRecord) -> Result<()> {
+            self.done = Some((tokens, record));
+            Ok(())
         }
     }
-    let generated = tokens[prompt.len()..].to_vec();
-    rec.generated = generated.len();
-    Ok((generated, rec))
+    let job = TurnJob { id: 0, prompt: prompt.to_vec(), head, rng: Box::new(rng) };
+    let mut one = One { job: Some(job), done: None };
+    speculative_turns(target, stop_ids, &mut [draft], cfg, &mut one)?;
+    Ok(one.done.expect("the loop finishes every turn it starts"))
 }
 
 /// The token emitted when draft i is rejected: a draw from norm(max(0, p − q_i)).
@@ -270,30 +416,81 @@ pub fn greedy_steps(prompt: &[u32], new_tokens: usize, mut next: impl FnMut(&[u3
 pub struct Continuation<F> {
     /// Prompt and generated tokens.
     pub tokens: Vec<u32>,
+    pub prompt_len: usize,
     pub features: F,
     pub stop: StopReason,
     pub secs: f64,
 }
 
+/// The target's greedy continuation of one prompt (`continuations` of one).
 pub fn greedy_continuation<T: TargetModel>(target: &T, stop_ids: &[u32], prompt: &[u32], max_new_tokens: usize, layers: &[usize]) -> Result<Continuation<T::Features>> {
-    if prompt.is_empty() {
+    let mut all = greedy_continuations(target, stop_ids, &[prompt], max_new_tokens, layers)?;
+    Ok(all.pop().expect("one continuation per prompt"))
+}
+
+/// The target's greedy continuations of several prompts, decoded together (`continuations`).
+pub fn greedy_continuations<T: TargetModel, P: AsRef<[u32]>>(target: &T, stop_ids: &[u32], prompts: &[P], max_new_tokens: usize, layers: &[usize]) -> Result<Vec<Continuation<T::Features>>> {
+    continuations(target, stop_ids, prompts, max_new_tokens, layers, &mut |_, logits| crate::sampling::argmax(logits))
+}
+
+/// Continuations of several prompts decoded together, each next token chosen by `choose(sequence, logits)`: the
+/// prompts go through the target in one `forward_blocks`, then each step forwards the newest token of every
+/// unfinished sequence in one more, so a step's pass over the weights serves them all. Where blocks do not depend
+/// on their neighbours (the CPU engine) each continuation is what its prompt gets alone, bit for bit; with a random
+/// stream per sequence a sampled one does not depend on the batch either. `secs` is the call's wall time shared
+/// equally.
+pub fn continuations<T: TargetModel, P: AsRef<[u32]>>(
+    target: &T,
+    stop_ids: &[u32],
+    prompts: &[P],
+    max_new_tokens: usize,
+    layers: &[usize],
+    choose: &mut dyn FnMut(usize, &[f32]) -> u32,
+) -> Result<Vec<Continuation<T::Features>>> {
+    let prompts: Vec<&[u32]> = prompts.iter().map(|p| p.as_ref()).collect();
+    if prompts.iter().any(|p| p.is_empty()) {
         bail!("empty prompt");
     }
     let t0 = Instant::now();
-    let mut cache = target.new_cache();
-    let mut features = target.new_features(layers);
-    let mut logits = Vec::new();
-    target.forward(prompt, &mut cache, &[prompt.len() - 1], Some(&mut features), &mut logits)?;
-    let mut tokens = prompt.to_vec();
-    let stop = loop {
-        let next = crate::sampling::argmax(&logits);
-        tokens.push(next);
-        if let Some(stop) = continuation_stop(next, stop_ids, tokens.len() - prompt.len(), max_new_tokens, cache.len(), target.context_length()) {
-            break stop;
+    let ctx_limit = target.context_length();
+    struct Sequence<T: TargetModel> {
+        tokens: Vec<u32>,
+        cache: T::Cache,
+        features: T::Features,
+        logits: Vec<f32>,
+        rows: [usize; 1],
+        stop: Option<StopReason>,
+    }
+    let mut seqs: Vec<Sequence<T>> = prompts
+        .iter()
+        .map(|p| Sequence { tokens: p.to_vec(), cache: target.new_cache(), features: target.new_features(layers), logits: Vec::new(), rows: [p.len() - 1], stop: None })
+        .collect();
+    let mut fed: Vec<usize> = vec![0; seqs.len()];
+    loop {
+        let mut blocks: Vec<Block<T>> = seqs
+            .iter_mut()
+            .zip(&mut fed)
+            .filter(|(s, _)| s.stop.is_none())
+            .map(|(s, fed)| {
+                let tokens = &s.tokens[*fed..];
+                *fed = s.tokens.len();
+                Block { tokens, cache: &mut s.cache, logit_rows: &s.rows, features: Some(&mut s.features), logits: &mut s.logits }
+            })
+            .collect();
+        if blocks.is_empty() {
+            break;
         }
-        target.forward(&[next], &mut cache, &[0], Some(&mut features), &mut logits)?;
-    };
-    Ok(Continuation { tokens, features, stop, secs: t0.elapsed().as_secs_f64() })
+        target.forward_blocks(&mut blocks)?;
+        drop(blocks);
+        for (i, (s, prompt)) in seqs.iter_mut().zip(&prompts).enumerate().filter(|(_, (s, _))| s.stop.is_none()) {
+            let next = choose(i, &s.logits);
+            s.tokens.push(next);
+            s.rows = [0];
+            s.stop = continuation_stop(next, stop_ids, s.tokens.len() - prompt.len(), max_new_tokens, s.cache.len(), ctx_limit);
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64() / prompts.len() as f64;
+    Ok(seqs.into_iter().zip(&prompts).map(|(s, p)| Continuation { tokens: s.tokens, prompt_len: p.len(), features: s.features, stop: s.stop.expect("every sequence stops"), secs }).collect())
 }
 
 /// Why a continuation ends after emitting `next` as its `generated`-th token, with `cached` positions in the target's
@@ -310,45 +507,57 @@ pub fn continuation_stop(next: u32, stop_ids: &[u32], generated: usize, max_new_
     }
 }
 
-/// Greedy (T = 0) speculative decoding for several drafts at once. Greedy output does not depend on the draft,
-/// so the target's continuation is generated once, and each draft is run along it: a draft token is accepted
-/// while it matches the continuation, and the next token is the continuation's. The target features the drafts
-/// read come from that one pass; where the engine's blocks are bit-identical to single steps (the CPU engine)
-/// each record equals the full loop's (tested); only `target_secs`, the shared pass, is the same for every draft.
-/// The drafts read the same target layers (one captured set serves them all).
+/// Greedy (T = 0) speculative decoding through several heads at once. Greedy output does not depend on the draft,
+/// so the target's continuation is generated once (`greedy_continuation`) and the draft is run along it through
+/// each head (`drafts_along`).
 pub fn greedy_turns<T: TargetModel>(
     target: &T,
     stop_ids: &[u32],
-    drafts: &mut [(&mut dyn Draft<T>, &DraftHead<T::Head>)],
+    draft: &mut dyn Draft<T>,
+    heads: &[&DraftHead<T::Head>],
     prompt: &[u32],
     k: usize,
     max_new_tokens: usize,
 ) -> Result<(Vec<u32>, Vec<TurnRecord>)> {
+    let continuation = greedy_continuation(target, stop_ids, prompt, max_new_tokens, &draft.target_layers())?;
+    let records = drafts_along(target, stop_ids, draft, heads, &continuation, k, max_new_tokens)?;
+    Ok((continuation.tokens[prompt.len()..].to_vec(), records))
+}
+
+/// The records greedy speculative decoding gives along the target's greedy `continuation`, one per head: a draft
+/// token is accepted while it matches the continuation, and the next token is the continuation's. The target
+/// features the draft reads come from that one pass; where the engine's blocks are bit-identical to single steps
+/// (the CPU engine) each record equals the full loop's (tested); only `target_secs`, the shared pass, is the same
+/// for every head.
+pub fn drafts_along<T: TargetModel>(
+    target: &T,
+    stop_ids: &[u32],
+    draft: &mut dyn Draft<T>,
+    heads: &[&DraftHead<T::Head>],
+    continuation: &Continuation<T::Features>,
+    k: usize,
+    max_new_tokens: usize,
+) -> Result<Vec<TurnRecord>> {
     if k == 0 {
         bail!("k (draft tokens per step) must be at least 1");
     }
     let ctx_limit = target.context_length();
-    let layers = drafts.first().map(|(d, _)| d.target_layers()).unwrap_or_default();
-    if let Some((d, _)) = drafts.iter().find(|(d, _)| d.target_layers() != layers) {
-        bail!("the greedy fast path runs drafts that read the same target layers; {} reads {:?}, not {layers:?}", d.describe(), d.target_layers());
-    }
-    let Continuation { tokens, features, stop, secs: target_secs } = greedy_continuation(target, stop_ids, prompt, max_new_tokens, &layers)?;
-    let stop = Some(stop);
-
-    let mut records = Vec::with_capacity(drafts.len());
+    let Continuation { tokens, features, stop, secs: target_secs, prompt_len } = continuation;
+    let (prompt_len, stop) = (*prompt_len, Some(*stop));
+    let mut records = Vec::with_capacity(heads.len());
     let mut proposal = Proposal::default();
     let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
-    for (draft, head) in drafts.iter_mut() {
-        let mut rec = TurnRecord { prompt_tokens: prompt.len(), accepted_per_pos: vec![0; k], target_secs, ..TurnRecord::default() };
+    for head in heads {
+        let mut rec = TurnRecord { prompt_tokens: prompt_len, accepted_per_pos: vec![0; k], target_secs: *target_secs, ..TurnRecord::default() };
         draft.reset();
         // Replay the full loop's steps along the continuation: n tokens known, the last not yet verified.
-        let mut n = prompt.len() + 1;
+        let mut n = prompt_len + 1;
         while n < tokens.len() {
-            let remaining = max_new_tokens - (n - prompt.len());
+            let remaining = max_new_tokens - (n - prompt_len);
             let k_used = drafts_allowed(k, remaining, ctx_limit.saturating_sub(n));
             let mut accepted = 0;
             if k_used > 0 {
-                let ctx = Context { tokens: &tokens[..n], features: &features };
+                let ctx = Context { tokens: &tokens[..n], features };
                 let t = Instant::now();
                 draft.propose(&ctx, k_used, head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
                 rec.draft_secs += t.elapsed().as_secs_f64();
@@ -359,9 +568,9 @@ pub fn greedy_turns<T: TargetModel>(
             draft.rollback(n, accepted)?;
             n += accepted + 1;
         }
-        rec.generated = tokens.len() - prompt.len();
+        rec.generated = tokens.len() - prompt_len;
         rec.stop = stop;
         records.push(rec);
     }
-    Ok((tokens[prompt.len()..].to_vec(), records))
+    Ok(records)
 }

@@ -44,6 +44,76 @@ pub trait TargetModel {
     /// their features; the logits of `logit_rows` (indices into the block) are written to `logits`,
     /// `[logit_rows.len(), vocab]`.
     fn forward(&self, tokens: &[u32], cache: &mut Self::Cache, logit_rows: &[usize], features: Option<&mut Self::Features>, logits: &mut Vec<f32>) -> Result<()>;
+
+    /// Forward several sequences' blocks, each as `forward` would alone: an engine that can serves them with one
+    /// pass over its weights. A sequence's outputs must not depend on the blocks beside it where the engine's
+    /// numerics allow (the CPU engine: bit for bit). By default one `forward` per block.
+    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>]) -> Result<()> {
+        for b in blocks {
+            self.forward(b.tokens, b.cache, b.logit_rows, b.features.as_deref_mut(), b.logits)?;
+        }
+        Ok(())
+    }
+}
+
+/// One sequence's share of a batched forward: what `TargetModel::forward` takes, and where its logits go.
+pub struct Block<'a, T: TargetModel + ?Sized> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut T::Cache,
+    pub logit_rows: &'a [usize],
+    pub features: Option<&'a mut T::Features>,
+    pub logits: &'a mut Vec<f32>,
+}
+
+/// Blocks laid end to end for one pass: every token, each block's row count, the blocks' logit rows as rows of the
+/// whole batch, and the layers captured (those of the first block that asks; every block that asks must agree).
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    pub rows: Vec<usize>,
+    pub logit_rows: Vec<usize>,
+    pub capture: Vec<usize>,
+}
+
+impl Batch {
+    /// `captured(features)`: the layers a block's features capture.
+    pub fn of<T: TargetModel + ?Sized>(blocks: &[Block<'_, T>], captured: impl Fn(&T::Features) -> &[usize]) -> Result<Batch> {
+        let capture = blocks.iter().find_map(|b| b.features.as_deref()).map_or(Vec::new(), |f| captured(f).to_vec());
+        if blocks.iter().any(|b| b.features.as_deref().is_some_and(|f| captured(f) != capture)) {
+            anyhow::bail!("the blocks of one forward capture different layers");
+        }
+        let mut batch = Batch { tokens: Vec::new(), rows: Vec::new(), logit_rows: Vec::new(), capture };
+        for b in blocks {
+            if let Some(&r) = b.logit_rows.iter().find(|&&r| r >= b.tokens.len()) {
+                anyhow::bail!("logit row {r} is outside the block of {} tokens", b.tokens.len());
+            }
+            batch.logit_rows.extend(b.logit_rows.iter().map(|r| batch.tokens.len() + r));
+            batch.tokens.extend_from_slice(b.tokens);
+            batch.rows.push(b.tokens.len());
+        }
+        Ok(batch)
+    }
+
+    /// Hand each block its share of the pass: `append(features, first row, rows)` adds its rows to its features, and
+    /// its logits are copied from `logits` (`[logit rows, vocab]`, in batch order).
+    pub fn scatter<T: TargetModel + ?Sized>(
+        blocks: &mut [Block<'_, T>],
+        logits: &[f32],
+        vocab: usize,
+        mut append: impl FnMut(&mut T::Features, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        let (mut row, mut logit_row) = (0, 0);
+        for b in blocks.iter_mut() {
+            let n = b.tokens.len();
+            if let Some(f) = b.features.as_deref_mut() {
+                append(f, row, n)?;
+            }
+            let picked = b.logit_rows.len();
+            b.logits.clear();
+            b.logits.extend_from_slice(&logits[logit_row * vocab..(logit_row + picked) * vocab]);
+            (row, logit_row) = (row + n, logit_row + picked);
+        }
+        Ok(())
+    }
 }
 
 /// The rows of an LM head on one engine, and how a hidden row becomes logits over them.

@@ -9,7 +9,8 @@
 use crate::text::chat::Message;
 use crate::text::dataset::Question;
 use crate::sampling::Sampling;
-use crate::speculative::{greedy_turns, speculative_turn, Draft, DraftHead, DraftMode, SpecConfig, TargetModel, TurnRecord};
+use crate::speculative::decode::{drafts_along, greedy_continuations, speculative_turns, TurnJob, Turns};
+use crate::speculative::{Draft, DraftHead, DraftMode, SpecConfig, TargetModel, TurnRecord};
 use crate::text::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -141,7 +142,8 @@ fn messages(q: &Question, turn: usize, answers: &[String]) -> Vec<Message> {
     m
 }
 
-/// The target and the drafts a sweep runs on, on one engine: `drafts[i]` and `heads[i]` serve `plan.ratios[i]`.
+/// The target and the drafts a sweep runs on, on one engine: `heads[i]` serves `plan.ratios[i]`; each of the
+/// `drafts` is a slot of the batch (as many sequences are decoded together as there are drafts).
 pub struct Engine<'t, 'd, T: TargetModel> {
     pub target: &'t T,
     pub tokenizer: &'d Tokenizer,
@@ -149,7 +151,7 @@ pub struct Engine<'t, 'd, T: TargetModel> {
     pub heads: &'d [DraftHead<T::Head>],
 }
 
-/// What a running sweep reports to.
+/// What a running sweep reports to. Units of a batch run side by side: several may have started and not finished.
 pub trait Observer {
     fn unit_started(&mut self, _key: &UnitKey) {}
     fn turn(&mut self, _run: &Run) {}
@@ -162,64 +164,169 @@ impl<F: FnMut(UnitKey, Vec<Run>) -> Result<()>> Observer for F {
     }
 }
 
-/// Run `units` of the plan.
+/// Run `units` of the plan, as many sequences at a time as the engine has draft slots. Consecutive greedy units
+/// go through the T = 0 fast path that many prompts at a time; consecutive sampled units through one speculative
+/// loop whose slots take (unit, ratio) turns in plan order. Records do not depend on the batch size where the
+/// engine's blocks do not depend on their neighbours (the CPU engine, tested).
 pub fn run<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, units: &[UnitKey], observer: &mut dyn Observer) -> Result<()> {
     plan.validate(questions)?;
-    if engine.drafts.len() != plan.ratios.len() || engine.heads.len() != plan.ratios.len() {
-        bail!("one draft and one head per ratio are needed");
+    if engine.heads.len() != plan.ratios.len() {
+        bail!("one head per ratio is needed");
     }
-    for &key in units {
-        observer.unit_started(&key);
-        let runs = run_unit(engine, questions, plan, key, observer)?;
-        observer.unit_finished(key, runs)?;
+    if engine.drafts.is_empty() {
+        bail!("a sweep needs at least one draft slot");
+    }
+    for group in units.chunk_by(|a, b| a.temperature == b.temperature) {
+        let sampling = Sampling::new(plan.temperatures[group[0].temperature], plan.top_p)?;
+        if sampling.is_greedy() {
+            for batch in group.chunks(engine.drafts.len()) {
+                greedy_units(engine, questions, plan, batch, observer)?;
+            }
+        } else {
+            sampled_units(engine, questions, plan, group, sampling, observer)?;
+        }
     }
     Ok(())
 }
 
-fn run_unit<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, key: UnitKey, observer: &mut dyn Observer) -> Result<Vec<Run>> {
+/// A turn's ids as the text the next turn's chat carries.
+fn answer(tok: &Tokenizer, tokens: &[u32]) -> Result<String> {
+    let shown: Vec<u32> = tokens.iter().copied().filter(|t| !tok.is_stop(*t)).collect();
+    tok.decode(&shown)
+}
+
+/// Greedy units, deterministic: each turn of every unit is the target's continuation, decoded for all units
+/// together, and every ratio's draft runs along it; the records stand for every repeat.
+fn greedy_units<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, units: &[UnitKey], observer: &mut dyn Observer) -> Result<()> {
     let tok = engine.tokenizer;
-    let answer = |tokens: &[u32]| -> Result<String> {
-        let shown: Vec<u32> = tokens.iter().copied().filter(|t| !tok.is_stop(*t)).collect();
-        tok.decode(&shown)
-    };
-    let temperature = plan.temperatures[key.temperature];
-    let sampling = Sampling::new(temperature, plan.top_p)?;
-    let q = &questions[key.prompt];
-    let mut runs = Vec::with_capacity(plan.runs_per_unit(&key));
-    let mut emit = |repeat: u32, ratio: f64, turn: usize, record: TurnRecord| {
-        let run = Run { ratio, temperature, repeat, prompt_index: key.prompt as u32, prompt: q.id.clone(), turn: turn as u32, record };
-        observer.turn(&run);
-        runs.push(run);
-    };
-    let Some(repeat) = key.repeat else {
-        // Deterministic: one pass for all ratios, standing for every repeat.
-        let mut answers = Vec::new();
-        for turn in 0..plan.turns {
-            let prompt = tok.chat_prompt(&messages(q, turn, &answers))?;
-            let mut pairs: Vec<(&mut dyn Draft<T>, &DraftHead<T::Head>)> =
-                engine.drafts.iter_mut().zip(engine.heads).map(|(d, h)| (d.as_mut() as &mut dyn Draft<T>, h)).collect();
-            let (tokens, records) = greedy_turns(engine.target, &tok.stop_ids, &mut pairs, &prompt, plan.k, plan.max_new_tokens)?;
-            answers.push(answer(&tokens)?);
-            for repeat in 0..plan.repeats {
-                for (&ratio, record) in plan.ratios.iter().zip(&records) {
-                    emit(repeat, ratio, turn, record.clone());
+    let draft = engine.drafts[0].as_mut();
+    let heads: Vec<&DraftHead<T::Head>> = engine.heads.iter().collect();
+    units.iter().for_each(|key| observer.unit_started(key));
+    let mut answers: Vec<Vec<String>> = vec![Vec::new(); units.len()];
+    let mut records: Vec<Vec<Vec<TurnRecord>>> = vec![Vec::new(); units.len()];
+    for turn in 0..plan.turns {
+        let prompts = units.iter().zip(&answers).map(|(key, a)| tok.chat_prompt(&messages(&questions[key.prompt], turn, a))).collect::<Result<Vec<_>>>()?;
+        let continuations = greedy_continuations(engine.target, &tok.stop_ids, &prompts, plan.max_new_tokens, &draft.target_layers())?;
+        for (i, c) in continuations.iter().enumerate() {
+            records[i].push(drafts_along(engine.target, &tok.stop_ids, draft, &heads, c, plan.k, plan.max_new_tokens)?);
+            answers[i].push(answer(tok, &c.tokens[c.prompt_len..])?);
+        }
+    }
+    for (key, per_turn) in units.iter().zip(records) {
+        let q = &questions[key.prompt];
+        let mut runs = Vec::with_capacity(plan.runs_per_unit(key));
+        for repeat in 0..plan.repeats {
+            for (turn, per_ratio) in per_turn.iter().enumerate() {
+                for (&ratio, record) in plan.ratios.iter().zip(per_ratio) {
+                    let run = Run { ratio, temperature: plan.temperatures[key.temperature], repeat, prompt_index: key.prompt as u32, prompt: q.id.clone(), turn: turn as u32, record: record.clone() };
+                    observer.turn(&run);
+                    runs.push(run);
                 }
             }
         }
-        return Ok(runs);
-    };
-    for ((&ratio, draft), head) in plan.ratios.iter().zip(engine.drafts.iter_mut()).zip(engine.heads) {
-        let mut answers = Vec::new();
-        for turn in 0..plan.turns {
-            let prompt = tok.chat_prompt(&messages(q, turn, &answers))?;
-            let cfg = SpecConfig { k: plan.k, mode: plan.mode, sampling, max_new_tokens: plan.max_new_tokens };
-            let mut rng = stream(plan.seed, repeat, key.prompt as u32, turn as u32);
-            let (tokens, record) = speculative_turn(engine.target, &tok.stop_ids, draft.as_mut(), head, &prompt, &cfg, &mut rng)?;
-            answers.push(answer(&tokens)?);
-            emit(repeat, ratio, turn, record);
-        }
+        observer.unit_finished(*key, runs)?;
     }
-    Ok(runs)
+    Ok(())
+}
+
+/// Sampled units of one temperature through one speculative loop. A chain is one unit's turns at one ratio (turn 2
+/// carries the chain's own first answer); chains start in plan order (unit, then ratio), and a chain's next turn
+/// goes before any chain not yet started, so a batch's composition is fixed by the plan and the batch size.
+fn sampled_units<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, units: &[UnitKey], sampling: Sampling, observer: &mut dyn Observer) -> Result<()> {
+    let cfg = SpecConfig { k: plan.k, mode: plan.mode, sampling, max_new_tokens: plan.max_new_tokens };
+    let chains = (0..units.len()).flat_map(|u| (0..plan.ratios.len()).map(move |r| Chain { unit: u, ratio: r, answers: Vec::new() })).collect();
+    let mut matrix = Matrix {
+        plan,
+        questions,
+        units,
+        heads: engine.heads,
+        tokenizer: engine.tokenizer,
+        observer,
+        chains,
+        fresh: 0,
+        follow_ups: std::collections::VecDeque::new(),
+        runs: units.iter().map(|k| vec![None; plan.runs_per_unit(k)]).collect(),
+        left: units.iter().map(|k| plan.runs_per_unit(k)).collect(),
+    };
+    let mut slots: Vec<&mut dyn Draft<T>> = engine.drafts.iter_mut().map(|d| d.as_mut() as &mut dyn Draft<T>).collect();
+    speculative_turns(engine.target, &engine.tokenizer.stop_ids, &mut slots, &cfg, &mut matrix)
+}
+
+/// One unit's turns at one ratio.
+struct Chain {
+    unit: usize,
+    ratio: usize,
+    answers: Vec<String>,
+}
+
+/// The sampled units' turns as the speculative loop takes them, and their runs as they finish.
+struct Matrix<'a, 'h, H> {
+    plan: &'a Plan,
+    questions: &'a [Question],
+    units: &'a [UnitKey],
+    heads: &'h [DraftHead<H>],
+    tokenizer: &'a Tokenizer,
+    observer: &'a mut dyn Observer,
+    chains: Vec<Chain>,
+    /// Chains not yet started are `chains[fresh..]`.
+    fresh: usize,
+    /// Chains whose next turn is ready.
+    follow_ups: std::collections::VecDeque<usize>,
+    /// Per unit, its runs by (ratio, turn) as they finish, and how many are missing.
+    runs: Vec<Vec<Option<Run>>>,
+    left: Vec<usize>,
+}
+
+impl<'h, H> Turns<'h, H> for Matrix<'_, 'h, H> {
+    fn next(&mut self) -> Result<Option<TurnJob<'h, H>>> {
+        let id = match self.follow_ups.pop_front() {
+            Some(id) => id,
+            None if self.fresh < self.chains.len() => {
+                self.fresh += 1;
+                self.fresh - 1
+            }
+            None => return Ok(None),
+        };
+        let chain = &self.chains[id];
+        let key = self.units[chain.unit];
+        let turn = chain.answers.len();
+        if turn == 0 && chain.ratio == 0 {
+            self.observer.unit_started(&key);
+        }
+        let repeat = key.repeat.expect("a sampled unit");
+        let prompt = self.tokenizer.chat_prompt(&messages(&self.questions[key.prompt], turn, &chain.answers))?;
+        let rng = stream(self.plan.seed, repeat, key.prompt as u32, turn as u32);
+        Ok(Some(TurnJob { id, prompt, head: &self.heads[chain.ratio], rng: Box::new(rng) }))
+    }
+
+    fn finished(&mut self, id: usize, tokens: Vec<u32>, record: TurnRecord) -> Result<()> {
+        let chain = &mut self.chains[id];
+        let key = self.units[chain.unit];
+        let turn = chain.answers.len();
+        chain.answers.push(answer(self.tokenizer, &tokens)?);
+        let (plan, q) = (self.plan, &self.questions[key.prompt]);
+        let run = Run {
+            ratio: plan.ratios[chain.ratio],
+            temperature: plan.temperatures[key.temperature],
+            repeat: key.repeat.expect("a sampled unit"),
+            prompt_index: key.prompt as u32,
+            prompt: q.id.clone(),
+            turn: turn as u32,
+            record,
+        };
+        self.observer.turn(&run);
+        let (unit, slot) = (chain.unit, chain.ratio * plan.turns + turn);
+        if turn + 1 < plan.turns {
+            self.follow_ups.push_back(id);
+        }
+        self.runs[unit][slot] = Some(run);
+        self.left[unit] -= 1;
+        if self.left[unit] == 0 {
+            let runs = std::mem::take(&mut self.runs[unit]).into_iter().map(|r| r.expect("every run finished")).collect();
+            self.observer.unit_finished(key, runs)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

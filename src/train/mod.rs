@@ -160,7 +160,7 @@ pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize,
             })
             .collect();
         attempts += ANSWER_BATCH;
-        let written = crate::engine::cpu::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], &mut |i, logits| {
+        let written = crate::speculative::decode::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], &mut |i, logits| {
             SELF_PROMPT_SAMPLING.distribution(logits, &mut probs, &mut order);
             draw(&probs, &mut streams[i])
         })?;
@@ -185,7 +185,7 @@ pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, 
     let mut out = Vec::with_capacity(prompts.len());
     for batch in prompts.chunks(ANSWER_BATCH) {
         let chats = batch.iter().map(|p| tok.chat_prompt(&[Message::new("user", p)])).collect::<Result<Vec<_>>>()?;
-        for (c, prompt) in crate::engine::cpu::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, &[])?.into_iter().zip(&chats) {
+        for (c, prompt) in crate::speculative::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, &[])?.into_iter().zip(&chats) {
             let features = c.features.hidden.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
             let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features };
             on_done(&conv);

@@ -129,7 +129,9 @@ struct Observe<'a> {
     progress: Progress,
     plan: &'a Plan,
     questions: &'a [Question],
-    started: Instant,
+    /// When the last unit finished (or the sweep began): units of a batch overlap, so a unit is credited with the
+    /// time since the one before it finished, and the units' seconds add up to the sweep's.
+    last_finished: Instant,
 }
 
 impl Observe<'_> {
@@ -145,8 +147,7 @@ impl Observe<'_> {
 
 impl Observer for Observe<'_> {
     fn unit_started(&mut self, key: &UnitKey) {
-        self.started = Instant::now();
-        self.progress.unit_started(self.plan.runs_per_unit(key), &self.label(key));
+        self.progress.unit_started(&self.label(key));
     }
 
     fn turn(&mut self, run: &Run) {
@@ -155,7 +156,8 @@ impl Observer for Observe<'_> {
     }
 
     fn unit_finished(&mut self, key: UnitKey, runs: Vec<Run>) -> Result<()> {
-        let secs = self.started.elapsed().as_secs_f64();
+        let secs = self.last_finished.elapsed().as_secs_f64();
+        self.last_finished = Instant::now();
         self.folder.save_unit(key, secs, runs)?;
         self.progress.unit_finished(&self.label(&key), secs);
         Ok(())
@@ -187,16 +189,17 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
     }
     let sweep = Sweep { settings, out, options, wall, questions: &questions, plan: &plan, freq_path: freq_path.as_deref(), target: &target };
     let load = || cpu::draft::load(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model);
+    // One draft per slot of the batch; the heads, one per cell, are made from the first.
     match settings.engine {
         EngineKind::Cpu => {
-            let drafts = keeps.iter().map(|_| Ok(load()?.boxed())).collect::<Result<_>>()?;
+            let drafts = (0..settings.batch).map(|_| Ok(load()?.boxed())).collect::<Result<_>>()?;
             sweep.run(&target.model, drafts, keeps)
         }
         EngineKind::Candle => {
             let (device, dtype) = (candle::device(&settings.device)?, candle::dtype(&settings.dtype)?);
             let llama = candle::llama::Llama::from_engine(&target.model, &device, dtype)?;
             let weights = DraftWeights::from_engine(&load()?, &llama)?;
-            let drafts = keeps.iter().map(|_| weights.instance(&llama)).collect();
+            let drafts = (0..settings.batch).map(|_| weights.instance(&llama)).collect();
             sweep.run(&llama, drafts, keeps)
         }
     }
@@ -220,7 +223,7 @@ impl Sweep<'_> {
         let (settings, out, options, plan, questions) = (self.settings, self.out, self.options, self.plan, self.questions);
         let vocab = self.target.model.config.vocab;
         let kept: Vec<u64> = keeps.iter().map(|k| k.as_ref().map_or(vocab, |k| k.ids.len()) as u64).collect();
-        let heads = drafts.iter().zip(keeps).map(|(d, keep)| DraftHead::new(d.lm_head(), keep, HeadMode::Slice)).collect::<Result<Vec<_>>>()?;
+        let heads = keeps.into_iter().map(|keep| DraftHead::new(drafts[0].lm_head(), keep, HeadMode::Slice)).collect::<Result<Vec<_>>>()?;
 
         let mut files = BTreeMap::new();
         digest("model", &self.target.source, &mut files)?;
@@ -231,7 +234,7 @@ impl Sweep<'_> {
             digest("freq", p, &mut files)?;
         }
         digest("dataset", &dataset::resolve(&settings.dataset)?, &mut files)?;
-        let settings_json = serde_json::to_value(settings)?;
+        let settings_json = settings.identity_json()?;
         let identity = Identity { settings: settings_json.clone(), files };
 
         let all_units = plan.units(questions.len());
@@ -241,7 +244,9 @@ impl Sweep<'_> {
         }
         let done = journal.done;
         let pending: Vec<UnitKey> = all_units.iter().filter(|k| !done.contains_key(k)).copied().collect();
-        let mut observe = Observe { folder: &folder, progress: Progress::new(options.quiet, all_units.len(), done.len()), plan, questions, started: Instant::now() };
+        let turns = pending.iter().map(|k| plan.runs_per_unit(k)).sum();
+        let progress = Progress::new(options.quiet, all_units.len(), done.len(), turns);
+        let mut observe = Observe { folder: &folder, progress, plan, questions, last_finished: Instant::now() };
         let tokenizer: &Tokenizer = &self.target.tokenizer;
         let mut engine = Engine { target: engine, tokenizer, drafts: &mut drafts, heads: &heads };
         crate::sweep::run(&mut engine, questions, plan, &pending, &mut observe)?;
@@ -270,6 +275,7 @@ impl Sweep<'_> {
             settings: &settings_json,
             files: &identity.files,
             hardware: Hardware::here(&settings.device, settings.engine, &settings.dtype),
+            batch: settings.batch,
             wall_secs,
             total_wall_secs: wall_secs + resumed_secs,
             units_resumed: done.len(),

@@ -1,4 +1,4 @@
-//! Progress of a sweep: two indicatif bars on a terminal (units with ETA; turns of the running unit with tokens/s),
+//! Progress of a sweep: two indicatif bars on a terminal (units with ETA; turns with tokens/s),
 //! one plain line per finished unit otherwise or with `--quiet`.
 
 use crate::sweep::Run;
@@ -16,14 +16,15 @@ pub struct Progress {
 }
 
 impl Progress {
-    pub fn new(plain: bool, units_total: usize, units_done: usize) -> Progress {
+    /// `turns`: the records this invocation will write.
+    pub fn new(plain: bool, units_total: usize, units_done: usize, turns: usize) -> Progress {
         let bars = (!plain && std::io::stderr().is_terminal()).then(|| {
             let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr());
             let units = multi.add(ProgressBar::new(units_total as u64)).with_style(
                 ProgressStyle::with_template("units {bar:30} {pos}/{len} {msg} elapsed {elapsed}, ETA {eta}").expect("a valid template"),
             );
             units.set_position(units_done as u64);
-            let turns = multi.add(ProgressBar::new(0)).with_style(
+            let turns = multi.add(ProgressBar::new(turns as u64)).with_style(
                 ProgressStyle::with_template("turns {bar:30} {pos}/{len} {msg}").expect("a valid template"),
             );
             (units, turns)
@@ -35,11 +36,9 @@ impl Progress {
         self.tokens as f64 / self.start.elapsed().as_secs_f64().max(1e-9)
     }
 
-    pub fn unit_started(&self, turns: usize, label: &str) {
-        if let Some((units, bar)) = &self.bars {
+    pub fn unit_started(&self, label: &str) {
+        if let Some((units, _)) = &self.bars {
             units.set_message(label.to_string());
-            bar.set_length(turns as u64);
-            bar.set_position(0);
         }
     }
 

@@ -81,14 +81,25 @@ impl Rope {
 
     /// cos and sin `[n, head_dim / 2]` (f32) of positions `start..start + n`, for all layers of one forward.
     pub fn at(&self, start: usize, n: usize, device: &Device) -> Result<RopeTables> {
-        let end = start + n;
+        self.runs(&[(start, n)], device)
+    }
+
+    /// cos and sin of the positions of several runs `(start, n)` one after another (a batch's sequences): views of
+    /// the table for one run, rows gathered once for several.
+    pub fn runs(&self, runs: &[(usize, usize)], device: &Device) -> Result<RopeTables> {
+        let end = runs.iter().map(|&(start, n)| start + n).max().unwrap_or(0);
         let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
         let fits = |t: &(Tensor, Tensor)| t.0.dim(0).is_ok_and(|len| len >= end) && t.0.device().same_device(device);
         if !table.as_ref().is_some_and(fits) {
             *table = Some(self.table(end.next_power_of_two().max(256), device)?);
         }
         let (cos, sin) = table.as_ref().expect("just built");
-        Ok(RopeTables { cos: cos.narrow(0, start, n)?, sin: sin.narrow(0, start, n)?, style: self.style })
+        if let [(start, n)] = runs {
+            return Ok(RopeTables { cos: cos.narrow(0, *start, *n)?, sin: sin.narrow(0, *start, *n)?, style: self.style });
+        }
+        let positions: Vec<u32> = runs.iter().flat_map(|&(start, n)| start as u32..(start + n) as u32).collect();
+        let positions = Tensor::from_vec(positions, runs.iter().map(|r| r.1).sum::<usize>(), device)?;
+        Ok(RopeTables { cos: cos.index_select(&positions, 0)?, sin: sin.index_select(&positions, 0)?, style: self.style })
     }
 
     fn table(&self, positions: usize, device: &Device) -> Result<(Tensor, Tensor)> {
@@ -243,6 +254,12 @@ impl Layer {
     /// replaces the (normed) stream as the attention's input (EAGLE-3).
     pub fn forward(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
         let n = x.dim(0)?;
+        self.forward_segments(s, rope, x, attn_input, &mut [Segment { cache, start, rows: n }])
+    }
+
+    /// `forward` for the rows of several sequences one after another: the projections run once over every row
+    /// (one pass over the weights), attention per sequence over its own cache. `rope` holds every row's position.
+    pub fn forward_segments(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, segments: &mut [Segment]) -> Result<Tensor> {
         let qkv = match (attn_input, &self.attn_norm) {
             (Some(a), _) => self.qkv.forward(a)?,
             (None, Some(g)) => self.qkv.forward_normed(x, g, s.rms_eps)?,
@@ -250,13 +267,27 @@ impl Layer {
         };
         let (d, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
         rotate_qk(&qkv, &rope.cos, &rope.sin, heads + kv_heads, d, rope.style)?;
-        // A row's keys and values lie side by side: the cache's `[2, kv_heads, n, d]` block (a view when n = 1).
-        cache.write(&qkv.narrow(1, heads * d, 2 * kv_heads * d)?.reshape((n, 2, kv_heads, d))?.permute((1, 2, 0, 3))?, start)?;
-        let attended = cache.attend(&qkv.narrow(1, 0, heads * d)?, heads, start)?;
+        let mut attended = Vec::with_capacity(segments.len());
+        let mut row = 0;
+        for seg in segments.iter_mut() {
+            let (n, qkv) = (seg.rows, qkv.narrow(0, row, seg.rows)?);
+            // A row's keys and values lie side by side: the cache's `[2, kv_heads, n, d]` block (a view when n = 1).
+            seg.cache.write(&qkv.narrow(1, heads * d, 2 * kv_heads * d)?.reshape((n, 2, kv_heads, d))?.permute((1, 2, 0, 3))?, seg.start)?;
+            attended.push(seg.cache.attend(&qkv.narrow(1, 0, heads * d)?, heads, seg.start)?);
+            row += n;
+        }
+        let attended = if attended.len() == 1 { attended.pop().expect("one segment") } else { Tensor::cat(&attended, 0)? };
         let x = self.o.forward_plus(&attended, x)?;
         let gate_up = self.gate_up.forward_normed(&x, &self.ffn_norm, s.rms_eps)?;
         self.down.forward_plus(&silu_mul(&gate_up)?, &x)
     }
+}
+
+/// Consecutive rows of a batch that continue one sequence: the layer cache they extend and its length before.
+pub struct Segment<'c> {
+    pub cache: &'c mut LayerCache,
+    pub start: usize,
+    pub rows: usize,
 }
 
 /// Rows along one dimension of a buffer allocated ahead and written in place. When a write would run past the end,
@@ -446,24 +477,35 @@ impl Llama {
 
     /// `forward`, also returning the stream entering each of `capture` (layer indices), `[n, hidden]` each.
     pub fn forward_capturing(&self, tokens: &[u32], cache: &mut Cache, capture: &[usize]) -> Result<(Tensor, Vec<Tensor>)> {
+        self.forward_sequences(tokens, &mut [cache], &[tokens.len()], capture)
+    }
+
+    /// `forward_capturing` for several sequences in one pass over the weights: `tokens` holds `rows[i]` tokens
+    /// continuing `caches[i]`, in order; attention runs per sequence over its own cache. Returns every row's hidden
+    /// state and captured streams in the same order.
+    pub fn forward_sequences(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], capture: &[usize]) -> Result<(Tensor, Vec<Tensor>)> {
         let c = &self.config;
-        if cache.len + tokens.len() > c.context_length {
-            bail!("context limit: {} positions requested, the model allows {}", cache.len + tokens.len(), c.context_length);
+        if tokens.is_empty() || rows.len() != caches.len() || rows.iter().sum::<usize>() != tokens.len() {
+            bail!("{} tokens do not split into blocks of {rows:?} rows for {} sequences", tokens.len(), caches.len());
+        }
+        if let Some((full, n)) = caches.iter().zip(rows).find(|(k, &n)| k.len + n > c.context_length) {
+            bail!("context limit: {} positions requested, the model allows {}", full.len + n, c.context_length);
         }
         if let Some(&l) = capture.iter().find(|&&l| l >= c.layers) {
             bail!("layer {l} does not exist (the model has {})", c.layers);
         }
-        let start = cache.len;
         let mut x = self.embed(tokens)?;
-        let rope = self.rope.at(start, tokens.len(), &self.device)?;
+        let runs: Vec<(usize, usize)> = caches.iter().zip(rows).map(|(k, &n)| (k.len, n)).collect();
+        let rope = self.rope.runs(&runs, &self.device)?;
         let mut captured = vec![None; capture.len()];
-        for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
+        for (i, layer) in self.layers.iter().enumerate() {
             for (slot, _) in capture.iter().enumerate().filter(|(_, &l)| l == i) {
                 captured[slot] = Some(x.clone());
             }
-            x = layer.forward(&self.geometry, &rope, &x, None, kv, start)?;
+            let mut segments: Vec<Segment> = caches.iter_mut().zip(&runs).map(|(k, &(start, rows))| Segment { cache: &mut k.layers[i], start, rows }).collect();
+            x = layer.forward_segments(&self.geometry, &rope, &x, None, &mut segments)?;
         }
-        cache.len = start + tokens.len();
+        caches.iter_mut().zip(rows).for_each(|(k, &n)| k.len += n);
         Ok((rms_norm(&x, &self.norm, c.rms_eps as f64)?, captured.into_iter().map(|t| t.expect("every captured layer exists")).collect()))
     }
 

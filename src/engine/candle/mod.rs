@@ -7,7 +7,7 @@ pub mod draft;
 pub mod kernels;
 pub mod llama;
 
-use crate::speculative::{HeadRows, Positions, TargetModel};
+use crate::speculative::{Batch, Block, HeadRows, Positions, TargetModel};
 use anyhow::{bail, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use llama::{Cache, Llama, Rows};
@@ -224,5 +224,25 @@ impl TargetModel for Llama {
             f.append(hidden, captured)?;
         }
         Ok(())
+    }
+
+    /// Every block in one pass (`Llama::forward_sequences`), every block's logit rows through the LM head in one
+    /// product and one copy to the host.
+    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>]) -> Result<()> {
+        let batch = Batch::of(blocks, |f| &f.capture)?;
+        let mut caches: Vec<&mut Cache> = blocks.iter_mut().map(|b| &mut *b.cache).collect();
+        let (hidden, captured) = self.forward_sequences(&batch.tokens, &mut caches, &batch.rows, &batch.capture)?;
+        let logits = match batch.logit_rows.len() {
+            0 => Vec::new(),
+            n => {
+                let rows: Vec<u32> = batch.logit_rows.iter().map(|&r| r as u32).collect();
+                let picked = hidden.index_select(&Tensor::from_vec(rows, n, &self.device)?, 0)?;
+                self.logits(&picked)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        };
+        Batch::scatter(blocks, &logits, self.config.vocab, |f, row, n| {
+            let layers = captured.iter().map(|t| t.narrow(0, row, n)).collect::<candle_core::Result<Vec<_>>>()?;
+            f.append(hidden.narrow(0, row, n)?, layers)
+        })
     }
 }

@@ -6,12 +6,10 @@ pub mod draft;
 pub mod model;
 pub mod tensor;
 
-use crate::speculative::decode::{continuation_stop, Continuation};
-use crate::speculative::{HeadRows, Positions, StopReason, TargetModel};
-use anyhow::{bail, Result};
+use crate::speculative::{Batch, Block, HeadRows, Positions, TargetModel};
+use anyhow::Result;
 use model::{Cache, Model};
 use std::sync::Arc;
-use std::time::Instant;
 use tensor::{MatmulScratch, Matrix};
 
 /// One sequence's captured features on the host: post-norm hidden states `[n, hidden]` and the inputs of the
@@ -104,6 +102,19 @@ impl TargetModel for Model {
         *logits = fwd.logits;
         Ok(())
     }
+
+    /// Every block in one pass (`Model::forward_sequences`).
+    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>]) -> Result<()> {
+        let batch = Batch::of(blocks, |f| f.captured())?;
+        let mut caches: Vec<&mut Cache> = blocks.iter_mut().map(|b| &mut *b.cache).collect();
+        let fwd = self.forward_sequences(&batch.tokens, &mut caches, &batch.rows, &batch.logit_rows, &batch.capture)?;
+        let h = self.config.hidden;
+        Batch::scatter(blocks, &fwd.logits, self.config.vocab, |f, row, n| {
+            let captured: Vec<&[f32]> = fwd.layer_inputs.iter().map(|l| &l[row * h..(row + n) * h]).collect();
+            f.append(&fwd.hidden[row * h..(row + n) * h], &captured);
+            Ok(())
+        })
+    }
 }
 
 impl HeadRows for Arc<Matrix> {
@@ -128,68 +139,3 @@ impl HeadRows for Arc<Matrix> {
         Ok(vec![0.5; self.cols])
     }
 }
-
-/// Greedy continuations of several prompts decoded together: each prompt is prefilled alone, then each step
-/// forwards the newest token of every unfinished sequence as one block (`Model::forward_batch`), so a step's pass
-/// over the weights serves them all. Each continuation is what the prompt gets alone, bit for bit; `secs` is the
-/// call's wall time shared equally.
-pub fn greedy_continuations<P: AsRef<[u32]>>(target: &Model, stop_ids: &[u32], prompts: &[P], max_new_tokens: usize, layers: &[usize]) -> Result<Vec<Continuation<CpuFeatures>>> {
-    continuations(target, stop_ids, prompts, max_new_tokens, layers, &mut |_, logits| crate::sampling::argmax(logits))
-}
-
-/// Continuations decoded together as `greedy_continuations` does, each next token chosen by `choose(sequence,
-/// logits)`: with a random stream per sequence, a sampled continuation does not depend on what else is in the batch.
-pub fn continuations<P: AsRef<[u32]>>(
-    target: &Model,
-    stop_ids: &[u32],
-    prompts: &[P],
-    max_new_tokens: usize,
-    layers: &[usize],
-    choose: &mut dyn FnMut(usize, &[f32]) -> u32,
-) -> Result<Vec<Continuation<CpuFeatures>>> {
-    let prompts: Vec<&[u32]> = prompts.iter().map(|p| p.as_ref()).collect();
-    if prompts.iter().any(|p| p.is_empty()) {
-        bail!("empty prompt");
-    }
-    let t0 = Instant::now();
-    let ctx_limit = target.config.context_length;
-    let mut seqs = Vec::with_capacity(prompts.len());
-    let mut caches = Vec::with_capacity(prompts.len());
-    for (i, prompt) in prompts.iter().enumerate() {
-        let mut cache = target.new_cache();
-        let mut features = CpuFeatures::new(target.config.hidden, layers);
-        let fwd = target.forward(prompt, &mut cache, &[prompt.len() - 1], layers)?;
-        let next = choose(i, &fwd.logits);
-        features.append(&fwd.hidden, &fwd.layer_inputs);
-        seqs.push((Continuation { tokens: prompt.to_vec(), features, stop: StopReason::MaxTokens, secs: 0.0 }, next));
-        caches.push(cache);
-    }
-    let (h, mut active): (usize, Vec<usize>) = (target.config.hidden, (0..prompts.len()).collect());
-    let mut tokens = Vec::with_capacity(prompts.len());
-    while !active.is_empty() {
-        // Take each sequence's next token; those that stop leave the batch.
-        active.retain(|&i| {
-            let (c, next) = &mut seqs[i];
-            c.tokens.push(*next);
-            let stop = continuation_stop(*next, stop_ids, c.tokens.len() - prompts[i].len(), max_new_tokens, caches[i].len(), ctx_limit);
-            c.stop = stop.unwrap_or(c.stop);
-            stop.is_none()
-        });
-        if active.is_empty() {
-            break;
-        }
-        tokens.clear();
-        tokens.extend(active.iter().map(|&i| seqs[i].1));
-        let mut batch: Vec<&mut Cache> = caches.iter_mut().enumerate().filter(|(i, _)| active.binary_search(i).is_ok()).map(|(_, c)| c).collect();
-        let fwd = target.forward_batch(&tokens, &mut batch, layers)?;
-        for (row, &i) in active.iter().enumerate() {
-            let (c, next) = &mut seqs[i];
-            let captured: Vec<&[f32]> = fwd.layer_inputs.iter().map(|l| &l[row * h..(row + 1) * h]).collect();
-            c.features.append(&fwd.hidden[row * h..(row + 1) * h], &captured);
-            *next = choose(i, &fwd.logits[row * target.config.vocab..(row + 1) * target.config.vocab]);
-        }
-    }
-    let secs = t0.elapsed().as_secs_f64() / prompts.len() as f64;
-    Ok(seqs.into_iter().map(|(c, _)| Continuation { secs, ..c }).collect())
-}
-

@@ -449,30 +449,37 @@ impl Model {
     /// Forward `tokens` at positions `cache.len()..`, appending their keys and values to the cache.
     /// `logit_rows` are indices into the block; `capture_layers` are layer indices whose inputs to return.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
-        crate::engine::cpu::tensor::pool().install(|| self.forward_in_pool(tokens, &mut [cache], logit_rows, capture_layers))
+        self.forward_sequences(tokens, &mut [cache], &[tokens.len()], logit_rows, capture_layers)
     }
 
-    /// Forward one token for each of several sequences at once, `tokens[i]` at position `caches[i].len()`: one pass
-    /// over the weights for all rows, attention per sequence over its own cache. Logits for every row. Each
-    /// sequence's outputs are what `forward` gives it alone, bit for bit: every output is one dot product in a fixed
-    /// order, whatever the rows beside it.
+    /// Forward one token for each of several sequences at once, `tokens[i]` at position `caches[i].len()`, with
+    /// logits for every row (`forward_sequences` with one row each).
     pub fn forward_batch(&self, tokens: &[u32], caches: &mut [&mut Cache], capture_layers: &[usize]) -> Result<Forward> {
         if tokens.len() != caches.len() {
             bail!("a batched forward takes one token per sequence ({} tokens for {} caches)", tokens.len(), caches.len());
         }
         let rows: Vec<usize> = (0..tokens.len()).collect();
-        crate::engine::cpu::tensor::pool().install(|| self.forward_in_pool(tokens, caches, &rows, capture_layers))
+        self.forward_sequences(tokens, caches, &vec![1; tokens.len()], &rows, capture_layers)
     }
 
-    /// `tokens` split evenly over `caches`, in order: each sequence's share continues it.
-    fn forward_in_pool(&self, tokens: &[u32], caches: &mut [&mut Cache], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
+    /// Forward blocks of several sequences in one pass over the weights: `tokens` holds `rows[i]` tokens continuing
+    /// `caches[i]`, in order; attention runs per sequence over its own cache. `logit_rows` index the whole batch.
+    /// Each sequence's outputs are what `forward` gives it alone, bit for bit: every output is one dot product in
+    /// a fixed order, whatever the rows beside it.
+    pub fn forward_sequences(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
+        crate::engine::cpu::tensor::pool().install(|| self.forward_in_pool(tokens, caches, rows, logit_rows, capture_layers))
+    }
+
+    fn forward_in_pool(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 {
             bail!("forward called with no tokens");
         }
-        let per = n / caches.len();
-        if let Some(full) = caches.iter().find(|k| k.len + per > c.context_length) {
+        if rows.len() != caches.len() || rows.iter().sum::<usize>() != n {
+            bail!("{n} tokens do not split into blocks of {rows:?} rows for {} sequences", caches.len());
+        }
+        if let Some((full, per)) = caches.iter().zip(rows).find(|(k, &per)| k.len + per > c.context_length) {
             bail!("context limit: {} positions requested, the model allows {}", full.len + per, c.context_length);
         }
         if let Some(&r) = logit_rows.iter().find(|&&r| r >= n) {
@@ -485,16 +492,16 @@ impl Model {
         let mut work = std::mem::take(&mut caches[0].work);
         let mut x = std::mem::take(&mut work.x);
         self.embed_into(tokens, &mut x)?;
-        self.geometry.rope_tables(caches.iter().flat_map(|k| k.len..k.len + per), &mut work);
+        self.geometry.rope_tables(caches.iter().zip(rows).flat_map(|(k, &per)| k.len..k.len + per), &mut work);
         let mut layer_inputs = vec![Vec::new(); capture_layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == i) {
                 layer_inputs[slot] = x.clone();
             }
-            let segments = caches.iter_mut().map(|k| Segment { start: k.len, kv: &mut k.layers[i], rows: per });
+            let segments = caches.iter_mut().zip(rows).map(|(k, &rows)| Segment { start: k.len, kv: &mut k.layers[i], rows });
             layer.forward(&self.geometry, &mut x, None, segments, &mut work);
         }
-        caches.iter_mut().for_each(|k| k.len += per);
+        caches.iter_mut().zip(rows).for_each(|(k, &per)| k.len += per);
         let mut hidden = vec![0.0; n * c.hidden];
         rms_norm(&x, &self.norm, c.rms_eps, &mut hidden);
         work.x = x;
