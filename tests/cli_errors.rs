@@ -151,6 +151,8 @@ fn bad_flags() {
     assert!(err.contains("temperature"), "{err}");
     let err = fails(&["generate", "--model", m, "--prompt", "x", "--top-p", "0"], &[]);
     assert!(err.contains("top-p"), "{err}");
+    let err = fails(&["bench", "decode", "--model", m, "--candle", "--batches", "8,0"], &[]);
+    assert!(err.contains("--batches: every batch is 1 to 1024"), "{err}");
 }
 
 #[test]
@@ -256,6 +258,8 @@ fn bad_sweeps_fail_before_writing_anything() {
         (&["--repeats", "1000000000"], "the sweep holds 2000000000 turns"),
         (&["--k", "1000000"], "k is 1000000: a step drafts at most 64 tokens"),
         (&["--max-new-tokens", "1000000000"], "max_new_tokens is 1000000000: the model's context holds"),
+        (&["--batch", "0"], "batch is 0: a sweep decodes 1 to 1024 sequences together"),
+        (&["--batch", "100000"], "batch is 100000: a sweep decodes 1 to 1024 sequences together"),
     ] {
         let err = sweep_fails(extra);
         assert!(err.contains(want), "{extra:?}: {err}");
