@@ -119,8 +119,6 @@ struct Running<'h, H> {
     rng: Box<dyn rand::Rng + 'h>,
     prompt_len: usize,
     rec: TurnRecord,
-    /// The prompt still has to go through the target (its block is the prompt).
-    prefill: bool,
 }
 
 /// One slot of the loop: the turn it holds and the state that is reused from turn to turn.
@@ -140,6 +138,13 @@ struct Slot<'h, T: TargetModel> {
     p: Vec<f32>,
     residual: Vec<f32>,
     order: Vec<u32>,
+}
+
+impl<T: TargetModel> Slot<'_, T> {
+    /// Whether the slot's turn has yet to send its prompt through the target (then its block is the prompt).
+    fn prefilling(&self) -> bool {
+        self.turn.as_ref().is_some_and(|t| self.tokens.len() == t.prompt_len)
+    }
 }
 
 /// Speculative decoding of every turn `turns` hands out, `drafts.len()` at a time: each step, every slot drafts
@@ -188,7 +193,7 @@ where
     let stopped = |t: u32| stop_ids.contains(&t);
     loop {
         // Turns out of new tokens or context end before drafting.
-        for slot in slots.iter_mut().filter(|s| s.turn.as_ref().is_some_and(|t| !t.prefill)) {
+        for slot in slots.iter_mut().filter(|s| s.turn.is_some() && !s.prefilling()) {
             let turn = slot.turn.as_mut().expect("filtered");
             let remaining = cfg.max_new_tokens.saturating_sub(slot.tokens.len() - turn.prompt_len);
             // One step emits up to k + 1 tokens and needs k + 1 more positions in the target's context.
@@ -216,7 +221,7 @@ where
             slot.rows.clear();
             slot.rows.push(job.prompt.len() - 1);
             let rec = TurnRecord { prompt_tokens: job.prompt.len(), accepted_per_pos: vec![0; cfg.k], ..TurnRecord::default() };
-            slot.turn = Some(Running { id: job.id, head: job.head, rng: job.rng, prompt_len: job.prompt.len(), rec, prefill: true });
+            slot.turn = Some(Running { id: job.id, head: job.head, rng: job.rng, prompt_len: job.prompt.len(), rec });
             slot.tokens = job.prompt;
         }
         let active = slots.iter().filter(|s| s.turn.is_some()).count();
@@ -225,7 +230,10 @@ where
         }
 
         for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()) {
-            let Some(turn) = slot.turn.as_mut().filter(|t| !t.prefill) else { continue };
+            if slot.prefilling() {
+                continue;
+            }
+            let Some(turn) = slot.turn.as_mut() else { continue };
             let k = slot.k;
             slot.n = slot.tokens.len();
             slot.block.clear();
@@ -254,9 +262,8 @@ where
 
         for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()).filter(|(s, _)| s.turn.is_some()) {
             let t = Instant::now();
-            let turn = slot.turn.as_mut().expect("filtered");
-            if turn.prefill {
-                turn.prefill = false;
+            if slot.prefilling() {
+                let turn = slot.turn.as_mut().expect("filtered");
                 cfg.sampling.distribution(&slot.logits, &mut slot.p, &mut slot.order);
                 let first = draw(&slot.p, &mut turn.rng);
                 slot.tokens.push(first);
@@ -458,22 +465,22 @@ pub fn continuations<T: TargetModel, P: AsRef<[u32]>>(
         cache: T::Cache,
         features: T::Features,
         logits: Vec<f32>,
+        /// Tokens already through the target, and the row of the next block whose logits come back.
+        fed: usize,
         rows: [usize; 1],
         stop: Option<StopReason>,
     }
     let mut seqs: Vec<Sequence<T>> = prompts
         .iter()
-        .map(|p| Sequence { tokens: p.to_vec(), cache: target.new_cache(), features: target.new_features(layers), logits: Vec::new(), rows: [p.len() - 1], stop: None })
+        .map(|p| Sequence { tokens: p.to_vec(), cache: target.new_cache(), features: target.new_features(layers), logits: Vec::new(), fed: 0, rows: [p.len() - 1], stop: None })
         .collect();
-    let mut fed: Vec<usize> = vec![0; seqs.len()];
     loop {
         let mut blocks: Vec<Block<T>> = seqs
             .iter_mut()
-            .zip(&mut fed)
-            .filter(|(s, _)| s.stop.is_none())
-            .map(|(s, fed)| {
-                let tokens = &s.tokens[*fed..];
-                *fed = s.tokens.len();
+            .filter(|s| s.stop.is_none())
+            .map(|s| {
+                let tokens = &s.tokens[s.fed..];
+                s.fed = s.tokens.len();
                 Block { tokens, cache: &mut s.cache, logit_rows: &s.rows, features: Some(&mut s.features), logits: &mut s.logits }
             })
             .collect();

@@ -91,6 +91,21 @@ pub struct Run {
     pub record: TurnRecord,
 }
 
+impl Run {
+    /// The run of `key`'s question at `plan.ratios[ratio]`, for `repeat` and `turn`.
+    fn of(plan: &Plan, questions: &[Question], key: UnitKey, ratio: usize, repeat: u32, turn: usize, record: TurnRecord) -> Run {
+        Run {
+            ratio: plan.ratios[ratio],
+            temperature: plan.temperatures[key.temperature],
+            repeat,
+            prompt_index: key.prompt as u32,
+            prompt: questions[key.prompt].id.clone(),
+            turn: turn as u32,
+            record,
+        }
+    }
+}
+
 /// The unit of work, of progress and of resume: one temperature and question, and for a sampled temperature one
 /// repeat. A greedy unit (`repeat: None`) runs once and its records stand for every repeat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -213,12 +228,11 @@ fn greedy_units<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], 
         }
     }
     for (key, per_turn) in units.iter().zip(records) {
-        let q = &questions[key.prompt];
         let mut runs = Vec::with_capacity(plan.runs_per_unit(key));
-        for repeat in 0..plan.repeats {
-            for (turn, per_ratio) in per_turn.iter().enumerate() {
-                for (&ratio, record) in plan.ratios.iter().zip(per_ratio) {
-                    let run = Run { ratio, temperature: plan.temperatures[key.temperature], repeat, prompt_index: key.prompt as u32, prompt: q.id.clone(), turn: turn as u32, record: record.clone() };
+        for (turn, per_ratio) in per_turn.iter().enumerate() {
+            for repeat in 0..plan.repeats {
+                for (ratio, record) in per_ratio.iter().enumerate() {
+                    let run = Run::of(plan, questions, *key, ratio, repeat, turn, record.clone());
                     observer.turn(&run);
                     runs.push(run);
                 }
@@ -246,7 +260,6 @@ fn sampled_units<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question],
         fresh: 0,
         follow_ups: std::collections::VecDeque::new(),
         runs: units.iter().map(|k| vec![None; plan.runs_per_unit(k)]).collect(),
-        left: units.iter().map(|k| plan.runs_per_unit(k)).collect(),
     };
     let mut slots: Vec<&mut dyn Draft<T>> = engine.drafts.iter_mut().map(|d| d.as_mut() as &mut dyn Draft<T>).collect();
     speculative_turns(engine.target, &engine.tokenizer.stop_ids, &mut slots, &cfg, &mut matrix)
@@ -272,9 +285,8 @@ struct Matrix<'a, 'h, H> {
     fresh: usize,
     /// Chains whose next turn is ready.
     follow_ups: std::collections::VecDeque<usize>,
-    /// Per unit, its runs by (ratio, turn) as they finish, and how many are missing.
+    /// Per unit, its runs by (ratio, turn) as they finish.
     runs: Vec<Vec<Option<Run>>>,
-    left: Vec<usize>,
 }
 
 impl<'h, H> Turns<'h, H> for Matrix<'_, 'h, H> {
@@ -304,24 +316,15 @@ impl<'h, H> Turns<'h, H> for Matrix<'_, 'h, H> {
         let key = self.units[chain.unit];
         let turn = chain.answers.len();
         chain.answers.push(answer(self.tokenizer, &tokens)?);
-        let (plan, q) = (self.plan, &self.questions[key.prompt]);
-        let run = Run {
-            ratio: plan.ratios[chain.ratio],
-            temperature: plan.temperatures[key.temperature],
-            repeat: key.repeat.expect("a sampled unit"),
-            prompt_index: key.prompt as u32,
-            prompt: q.id.clone(),
-            turn: turn as u32,
-            record,
-        };
+        let plan = self.plan;
+        let run = Run::of(plan, self.questions, key, chain.ratio, key.repeat.expect("a sampled unit"), turn, record);
         self.observer.turn(&run);
         let (unit, slot) = (chain.unit, chain.ratio * plan.turns + turn);
         if turn + 1 < plan.turns {
             self.follow_ups.push_back(id);
         }
         self.runs[unit][slot] = Some(run);
-        self.left[unit] -= 1;
-        if self.left[unit] == 0 {
+        if self.runs[unit].iter().all(Option::is_some) {
             let runs = std::mem::take(&mut self.runs[unit]).into_iter().map(|r| r.expect("every run finished")).collect();
             self.observer.unit_finished(key, runs)?;
         }

@@ -188,17 +188,17 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
         });
     }
     let sweep = Sweep { settings, out, options, wall, questions: &questions, plan: &plan, freq_path: freq_path.as_deref(), target: &target };
-    let load = || cpu::draft::load(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model);
-    // One draft per slot of the batch; the heads, one per cell, are made from the first.
+    let loaded = cpu::draft::load(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model)?;
+    // One draft per slot of the batch, all on one copy of the weights; the heads, one per cell, come from the first.
     match settings.engine {
         EngineKind::Cpu => {
-            let drafts = (0..settings.batch).map(|_| Ok(load()?.boxed())).collect::<Result<_>>()?;
+            let drafts = (0..settings.batch).map(|_| loaded.fresh().boxed()).collect();
             sweep.run(&target.model, drafts, keeps)
         }
         EngineKind::Candle => {
             let (device, dtype) = (candle::device(&settings.device)?, candle::dtype(&settings.dtype)?);
             let llama = candle::llama::Llama::from_engine(&target.model, &device, dtype)?;
-            let weights = DraftWeights::from_engine(&load()?, &llama)?;
+            let weights = DraftWeights::from_engine(&loaded, &llama)?;
             let drafts = (0..settings.batch).map(|_| weights.instance(&llama)).collect();
             sweep.run(&llama, drafts, keeps)
         }

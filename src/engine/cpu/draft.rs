@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 /// A draft model sharing the target's tokenizer: an independent model or a truncated copy of the target.
 pub struct ModelDraft {
-    pub(crate) model: Model,
+    pub(crate) model: Arc<Model>,
     cache: Cache,
     chooser: Chooser<Arc<Matrix>>,
     pub(crate) label: String,
@@ -23,7 +23,12 @@ pub struct ModelDraft {
 impl ModelDraft {
     pub fn new(model: Model, label: String) -> ModelDraft {
         let cache = model.new_cache();
-        ModelDraft { model, cache, chooser: Chooser::default(), label }
+        ModelDraft { model: Arc::new(model), cache, chooser: Chooser::default(), label }
+    }
+
+    /// Another draft on the same weights with an empty cache (a slot of a batch).
+    fn fresh(&self) -> ModelDraft {
+        ModelDraft { model: self.model.clone(), cache: self.model.new_cache(), chooser: Chooser::default(), label: self.label.clone() }
     }
 }
 
@@ -65,8 +70,8 @@ impl Draft<Model> for ModelDraft {
 /// no final norm, logits through the target's LM head. Reuses the target's embedding.
 pub struct EagleDraft<'a> {
     target: &'a Model,
-    pub(crate) fc: Linear,
-    pub(crate) layer: Layer,
+    pub(crate) fc: Arc<Linear>,
+    pub(crate) layer: Arc<Layer>,
     pub(crate) geometry: Geometry,
     cache: Cache,
     chooser: Chooser<Arc<Matrix>>,
@@ -165,8 +170,8 @@ impl<'a> EagleDraft<'a> {
         let cache = Cache::new(1, &geometry);
         Ok(EagleDraft {
             target,
-            fc,
-            layer,
+            fc: Arc::new(fc),
+            layer: Arc::new(layer),
             geometry,
             cache,
             chooser: Chooser::default(),
@@ -195,8 +200,24 @@ impl<'a> EagleDraft<'a> {
         }
         let mut x = vec![0.0; tokens.len() * h];
         self.fc.forward(&self.pair, &mut x, self.cache.matmul_scratch());
-        self.cache.advance(&self.geometry, std::slice::from_ref(&self.layer), &mut x, None, |_, _| {});
+        self.cache.advance(&self.geometry, std::slice::from_ref(&*self.layer), &mut x, None, |_, _| {});
         Ok(x)
+    }
+
+    /// Another draft on the same weights with an empty cache (a slot of a batch).
+    fn fresh(&self) -> EagleDraft<'a> {
+        EagleDraft {
+            target: self.target,
+            fc: self.fc.clone(),
+            layer: self.layer.clone(),
+            geometry: self.geometry.clone(),
+            cache: Cache::new(1, &self.geometry),
+            chooser: Chooser::default(),
+            input: Vec::new(),
+            pair: Vec::new(),
+            last: Vec::new(),
+            source: self.source.clone(),
+        }
     }
 }
 
@@ -266,8 +287,8 @@ fn checkpoint(dir: &Path) -> Result<PathBuf> {
 /// Later drafting steps feed the layer's own pre-norm output in place of g.
 pub struct Eagle3Draft<'a> {
     target: &'a Model,
-    pub(crate) fc: Linear,
-    pub(crate) layer: Layer,
+    pub(crate) fc: Arc<Linear>,
+    pub(crate) layer: Arc<Layer>,
     pub(crate) input_norm: Vec<f32>,
     pub(crate) hidden_norm: Vec<f32>,
     pub(crate) norm: Vec<f32>,
@@ -338,8 +359,8 @@ impl<'a> Eagle3Draft<'a> {
         let geometry = Geometry::new(&config, None);
         Ok(Eagle3Draft {
             target,
-            fc: load_linear(&src, "fc", h, 3 * h)?,
-            layer,
+            fc: Arc::new(load_linear(&src, "fc", h, 3 * h)?),
+            layer: Arc::new(layer),
             input_norm: src.raw_vector("midlayer.input_layernorm.weight", h)?,
             hidden_norm: src.raw_vector("midlayer.hidden_norm.weight", h)?,
             norm: src.raw_vector("norm.weight", h)?,
@@ -385,8 +406,29 @@ impl<'a> Eagle3Draft<'a> {
             self.attn_input.extend_from_slice(hr);
         }
         let mut x = g.to_vec();
-        self.cache.advance(&self.geometry, std::slice::from_ref(&self.layer), &mut x, Some(&self.attn_input), |_, _| {});
+        self.cache.advance(&self.geometry, std::slice::from_ref(&*self.layer), &mut x, Some(&self.attn_input), |_, _| {});
         Ok(x)
+    }
+
+    /// Another draft on the same weights with an empty cache (a slot of a batch).
+    fn fresh(&self) -> Eagle3Draft<'a> {
+        Eagle3Draft {
+            target: self.target,
+            fc: self.fc.clone(),
+            layer: self.layer.clone(),
+            input_norm: self.input_norm.clone(),
+            hidden_norm: self.hidden_norm.clone(),
+            norm: self.norm.clone(),
+            lm_head: self.lm_head.clone(),
+            aux_layers: self.aux_layers.clone(),
+            cache: Cache::new(1, &self.geometry),
+            geometry: self.geometry.clone(),
+            chooser: Chooser::default(),
+            embeds: Vec::new(),
+            attn_input: Vec::new(),
+            last: Vec::new(),
+            source: self.source.clone(),
+        }
     }
 }
 
@@ -481,6 +523,15 @@ pub fn load<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::loadin
 }
 
 impl<'a> Loaded<'a> {
+    /// Another draft on the same weights with an empty cache: the slots of a batch share one copy of the weights.
+    pub fn fresh(&self) -> Loaded<'a> {
+        match self {
+            Loaded::Model(d) => Loaded::Model(d.fresh()),
+            Loaded::Eagle(d) => Loaded::Eagle(d.fresh()),
+            Loaded::Eagle3(d) => Loaded::Eagle3(d.fresh()),
+        }
+    }
+
     pub fn boxed(self) -> Box<dyn Draft<Model> + 'a> {
         match self {
             Loaded::Model(d) => Box::new(d),
