@@ -59,7 +59,7 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
     let Some(repo) = RepoId::parse(spec) else {
         bail!("model {spec}: no such file or folder, and not a hub repo id (org/name[@revision])");
     };
-    let hub = Hub::from_env()?;
+    let hub = Hub::from_env();
     // A tokenizer-only repo has no config.json: its folder is the tokenizer.
     let Some(config) = hub.optional_file(RepoKind::Model, &repo, "config.json")? else {
         let tokenizer = hub.file(RepoKind::Model, &repo, "tokenizer.json")?;

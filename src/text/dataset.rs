@@ -25,7 +25,7 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
     let Some(repo) = RepoId::parse(repo) else {
         bail!("dataset {spec}: no such file, and not a hub dataset id (org/name[@revision][:file])");
     };
-    Hub::from_env()?.file(RepoKind::Dataset, &repo, file)
+    Hub::from_env().file(RepoKind::Dataset, &repo, file)
 }
 
 pub fn load(spec: &str) -> Result<Vec<Question>> {

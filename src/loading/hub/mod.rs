@@ -1,8 +1,10 @@
 //! Resolving model and dataset names to local files: a local path, or a Hugging Face repo id fetched with
 //! hf-hub into the usual cache, honouring HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE.
 
-use anyhow::{anyhow, bail, Context, Result};
-use hf_hub::api::sync::{Api, ApiBuilder, ApiError};
+mod download;
+
+use anyhow::{bail, Context, Result};
+use download::Downloader;
 use hf_hub::{Cache, Repo, RepoType};
 use std::path::PathBuf;
 
@@ -49,12 +51,12 @@ impl RepoId {
 pub struct Hub {
     cache: Cache,
     /// None when HF_HUB_OFFLINE is set: only the cache is consulted.
-    api: Option<Api>,
+    downloader: Option<Downloader>,
     endpoint: String,
 }
 
 impl Hub {
-    pub fn from_env() -> Result<Hub> {
+    pub fn from_env() -> Hub {
         let cache_dir = match std::env::var_os("HF_HUB_CACHE") {
             Some(dir) => dir.into(),
             None => Cache::from_env().path().clone(),
@@ -66,21 +68,10 @@ impl Hub {
     }
 
     /// A client for `endpoint` with its cache in `cache_dir`; the token defaults to the one saved in the cache.
-    pub fn new(endpoint: &str, cache_dir: PathBuf, offline: bool, token: Option<String>) -> Result<Hub> {
+    pub fn new(endpoint: &str, cache_dir: PathBuf, offline: bool, token: Option<String>) -> Hub {
         let cache = Cache::new(cache_dir);
-        let api = if offline {
-            None
-        } else {
-            let token = token.or_else(|| cache.token());
-            let built = ApiBuilder::from_cache(cache.clone())
-                .with_endpoint(endpoint.to_string())
-                .with_token(token)
-                .with_progress(false)
-                .build()
-                .map_err(|e| anyhow!("cannot set up the Hugging Face hub client: {e}"))?;
-            Some(built)
-        };
-        Ok(Hub { cache, api, endpoint: endpoint.to_string() })
+        let downloader = (!offline).then(|| Downloader::new(endpoint, token.or_else(|| cache.token())));
+        Hub { cache, downloader, endpoint: endpoint.to_string() }
     }
 
     /// `text` with the credentials an endpoint like `https://user:token@host` carries replaced by `***`: errors name
@@ -94,7 +85,7 @@ impl Hub {
     }
 
     pub fn is_offline(&self) -> bool {
-        self.api.is_none()
+        self.downloader.is_none()
     }
 
     /// A file of a repo, from the cache or downloaded into it.
@@ -118,12 +109,10 @@ impl Hub {
         if let Some(path) = self.cache.repo(r.clone()).get(file) {
             return Ok(Some(path));
         }
-        let Some(api) = &self.api else { return Ok(None) };
-        match api.repo(r).get(file) {
-            Ok(path) => Ok(Some(path)),
-            Err(ApiError::RequestError(e)) if matches!(*e, ureq::Error::StatusCode(404)) => Ok(None),
-            Err(e) => bail!("{}", self.redact(&format!("cannot fetch {file} from {} at {}: {e}", self.describe(kind, repo), self.endpoint))),
-        }
+        let Some(downloader) = &self.downloader else { return Ok(None) };
+        downloader.fetch(&self.cache.repo(r.clone()), &r.url(), r.revision(), file).map_err(|e| {
+            anyhow::anyhow!("{}", self.redact(&format!("cannot fetch {file} from {} at {}: {e:#}", self.describe(kind, repo), self.endpoint)))
+        })
     }
 
     fn describe(&self, kind: RepoKind, repo: &RepoId) -> String {
