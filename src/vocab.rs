@@ -7,10 +7,9 @@
 //! - vLLM's per-token frequency tensor indexed by id (`.pt`, `.safetensors`, `.npy`).
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::pickle::{Object, Stack};
+use candle_core::pickle::Object;
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// A frequency ranking of token ids.
@@ -295,56 +294,25 @@ fn load_npy(path: &Path) -> Result<Frequencies> {
 
 /// A torch `.pt`: either FR-Spec's pickled list of ids or a pickled frequency tensor.
 fn load_torch(path: &Path) -> Result<Frequencies> {
-    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut zip = zip::ZipArchive::new(file).map_err(|e| anyhow!("{} is not a torch zip file: {e}", path.display()))?;
-    let pkl_name = zip
-        .file_names()
-        .filter_map(|n| n.ok().map(|n| n.to_string()))
-        .find(|n| n.ends_with("data.pkl"))
-        .ok_or_else(|| anyhow!("{}: no data.pkl inside", path.display()))?;
-    let mut pkl = Vec::new();
-    zip.by_name(&pkl_name)?.read_to_end(&mut pkl)?;
-    let mut stack = Stack::empty();
-    stack.read_loop(&mut std::io::BufReader::new(&pkl[..])).map_err(|e| anyhow!("{}: bad pickle: {e}", path.display()))?;
-    match stack.finalize().map_err(|e| anyhow!("{}: bad pickle: {e}", path.display()))? {
-        Object::List(items) => {
-            let ranking = items
-                .into_iter()
-                .map(|o| match o {
-                    Object::Int(i) if i >= 0 => Ok(i as u32),
-                    Object::Long(i) if (0..=u32::MAX as i64).contains(&i) => Ok(i as u32),
-                    other => Err(anyhow!("{}: expected a list of token ids, found {other:?}", path.display())),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Ok(Frequencies { ranking, counts: None, metadata: HashMap::new(), source: path.to_path_buf() })
-        }
-        // torch.save(tensor): the pickle's root is the tensor; its storage is a file in the archive.
-        tensor => {
-            let dir = Path::new(pkl_name.trim_end_matches("data.pkl")).join("data");
-            let info = tensor
-                .into_tensor_info(Object::Unicode("frequencies".into()), &dir)
-                .map_err(|e| anyhow!("{}: {e}", path.display()))?
-                .ok_or_else(|| anyhow!("{}: expected a list of ids or a frequency tensor", path.display()))?;
-            let mut raw = Vec::new();
-            zip.by_name(&info.path)
-                .with_context(|| format!("{}: tensor storage {} is missing", path.display(), info.path))?
-                .read_to_end(&mut raw)?;
-            let storage = Tensor::from_raw_buffer(&raw, info.dtype, &[info.storage_size], &Device::Cpu)
-                .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-            // The tensor is a view of its storage: an offset and a stride say which elements are its own. (candle's
-            // pickle reader gives the offset in bytes.)
-            let (dims, strides) = (info.layout.dims(), info.layout.stride());
-            let start = info.layout.start_offset() / info.dtype.size_in_bytes();
-            let ([n], [stride]) = (dims, strides) else {
-                bail!("{}: a frequency tensor must be 1-D (one count per token id), got shape {dims:?}", path.display());
-            };
-            if *n > 0 && start + (n - 1) * stride >= info.storage_size {
-                bail!("{}: the tensor reaches past the {} elements of its storage", path.display(), info.storage_size);
-            }
-            let own: Vec<u32> = (0..*n).map(|i| (start + i * stride) as u32).collect();
-            per_token(&storage.index_select(&Tensor::new(own.as_slice(), &Device::Cpu)?, 0)?, path)
-        }
+    let mut file = crate::loading::pickle::TorchFile::open(path)?;
+    if let Object::List(items) = &file.root {
+        let ranking = items
+            .iter()
+            .map(|o| match o {
+                Object::Int(i) if *i >= 0 => Ok(*i as u32),
+                Object::Long(i) if (0..=u32::MAX as i64).contains(i) => Ok(*i as u32),
+                other => Err(anyhow!("{}: expected a list of token ids, found {other:?}", path.display())),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(Frequencies { ranking, counts: None, metadata: HashMap::new(), source: path.to_path_buf() });
     }
+    // torch.save(tensor): the pickle's root is the tensor (a view of a storage that is a file in the archive).
+    let root = std::mem::replace(&mut file.root, Object::None);
+    let tensor = file.tensor(&root)?.ok_or_else(|| anyhow!("{}: expected a list of ids or a frequency tensor", path.display()))?;
+    if tensor.rank() != 1 {
+        bail!("{}: a frequency tensor must be 1-D (one count per token id), got shape {:?}", path.display(), tensor.dims());
+    }
+    per_token(&tensor, path)
 }
 
 /// How a corpus file is laid out.

@@ -95,7 +95,7 @@ impl TensorFile {
         let tensors: HashMap<String, Tensor> = if path.extension().is_some_and(|e| e == "safetensors") {
             candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?
         } else {
-            candle_core::pickle::read_all(path).map_err(|e| anyhow!("{}: {e}", path.display()))?.into_iter().collect()
+            crate::loading::pickle::TorchFile::open(path)?.state_dict()?
         };
         Ok(TensorFile { path: path.to_path_buf(), tensors, layer_prefix: "layers.0." })
     }
