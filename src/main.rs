@@ -13,9 +13,15 @@ use cli::{BenchCommand, Cli, Command, FreqCommand};
 
 fn main() {
     if let Err(e) = run(Cli::parse()) {
-        eprintln!("error: {e:#}");
+        report(&e);
         std::process::exit(1);
     }
+}
+
+/// An error is one line, whatever the library below wrote into its message (npyz draws a caret diagram).
+fn report(e: &anyhow::Error) {
+    let text = format!("{e:#}");
+    eprintln!("error: {}", text.split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" "));
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -142,7 +148,7 @@ fn run(cli: Cli) -> Result<()> {
             let rows = match compared {
                 Ok(rows) => rows,
                 Err(e) => {
-                    eprintln!("error: {e:#}");
+                    report(&e);
                     std::process::exit(2);
                 }
             };

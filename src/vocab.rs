@@ -95,7 +95,12 @@ impl Frequencies {
             "pt" | "pth" | "bin" => load_torch(path),
             "npy" => load_npy(path),
             _ => bail!("{}: unknown frequency file type (expected .safetensors, .pt or .npy)", path.display()),
-        }?;
+        };
+        // Errors from the readers below frspec (candle, npyz) do not know the file's name.
+        let f = f.map_err(|e| match format!("{e:#}").contains(&path.display().to_string()) {
+            true => e,
+            false => e.context(format!("frequency file {}", path.display())),
+        })?;
         if f.ranking.is_empty() {
             bail!("{}: the frequency file holds no ids", path.display());
         }
@@ -228,6 +233,10 @@ fn to_u64_counts(t: &Tensor, path: &Path) -> Result<Vec<u64>> {
     if t.rank() != 1 {
         bail!("{}: a frequency tensor must be 1-D (one count per token id), got shape {:?}", path.display(), t.dims());
     }
+    // Only these convert to f64 exactly or at all (candle's 8-bit float conversion never returned).
+    if !matches!(t.dtype(), DType::U8 | DType::U32 | DType::I64 | DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
+        bail!("{}: frequencies of dtype {:?} are not supported (use an integer or f16/bf16/f32/f64 tensor)", path.display(), t.dtype());
+    }
     let v = t.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     if let Some((i, c)) = v.iter().enumerate().find(|(_, c)| !(c.is_finite() && **c >= 0.0)) {
         bail!("{}: frequency of token {i} is {c}", path.display());
@@ -251,8 +260,11 @@ fn load_safetensors(path: &Path) -> Result<Frequencies> {
     let metadata = meta.metadata().clone().unwrap_or_default();
     let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     if let (Some(ids), Some(counts)) = (tensors.get("ids"), tensors.get("counts")) {
-        let ranking = ids.to_dtype(DType::I64)?.to_vec1::<i64>()?;
-        let counts = counts.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        if ids.dtype() != DType::I64 || counts.dtype() != DType::I64 || ids.rank() != 1 || counts.rank() != 1 {
+            bail!("{}: `ids` and `counts` must be 1-D i64 tensors, found {:?} {:?} and {:?} {:?}", path.display(), ids.dtype(), ids.dims(), counts.dtype(), counts.dims());
+        }
+        let ranking = ids.to_vec1::<i64>()?;
+        let counts = counts.to_vec1::<i64>()?;
         if ranking.len() != counts.len() {
             bail!("{}: ids and counts differ in length", path.display());
         }
@@ -260,10 +272,17 @@ fn load_safetensors(path: &Path) -> Result<Frequencies> {
             .iter()
             .map(|&i| u32::try_from(i).map_err(|_| anyhow!("{}: token id {i} is out of range", path.display())))
             .collect::<Result<Vec<_>>>()?;
+        let mut seen = std::collections::HashSet::new();
+        if let Some(id) = ranking.iter().find(|&&id| !seen.insert(id)) {
+            bail!("{}: token id {id} is listed twice", path.display());
+        }
         if counts.windows(2).any(|w| w[0] < w[1]) {
             bail!("{}: counts are not sorted in descending order", path.display());
         }
-        let counts = counts.iter().map(|&c| c.max(0) as u64).collect();
+        if let Some(c) = counts.iter().find(|&&c| c < 0) {
+            bail!("{}: a count is negative ({c})", path.display());
+        }
+        let counts = counts.iter().map(|&c| c as u64).collect();
         return Ok(Frequencies { ranking, counts: Some(counts), metadata, source: path.to_path_buf() });
     }
     let names: Vec<String> = st.names().into_iter().map(String::from).collect();
@@ -275,13 +294,33 @@ fn load_safetensors(path: &Path) -> Result<Frequencies> {
 
 fn load_npy(path: &Path) -> Result<Frequencies> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // npyz allocates the header at the length the file declares (u16 in version 1, u32 after) before reading it.
+    let declared = match (bytes.get(6), bytes.get(8..12)) {
+        (Some(1), Some(len)) => Some(10 + u16::from_le_bytes([len[0], len[1]]) as usize),
+        (Some(_), Some(len)) => Some(12 + u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize),
+        _ => None,
+    };
+    if declared.is_some_and(|end| end > bytes.len()) {
+        bail!("{}: the .npy header claims more bytes than the file's {}", path.display(), bytes.len());
+    }
     let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| anyhow!("{} is not a .npy file: {e}", path.display()))?;
-    if npy.shape().len() != 1 {
+    let &[n] = npy.shape() else {
         bail!("{}: a frequency array must be 1-D, got shape {:?}", path.display(), npy.shape());
+    };
+    // npyz allocates for the shape the header declares; the file must hold that many values first.
+    let width = match npy.dtype() {
+        npyz::DType::Plain(t) => t.num_bytes().unwrap_or(usize::MAX) as u64,
+        _ => u64::MAX,
+    };
+    if n.checked_mul(width).is_none_or(|need| need > bytes.len() as u64) {
+        bail!("{}: the header declares {n} values, more than the file's {} bytes hold", path.display(), bytes.len());
     }
     let values: Vec<f64> = match npy.dtype() {
-        npyz::DType::Plain(t) if t.type_char() == npyz::TypeChar::Float => {
-            if t.size_field() == 4 { npy.into_vec::<f32>()?.into_iter().map(f64::from).collect() } else { npy.into_vec::<f64>()? }
+        npyz::DType::Plain(t) if t.type_char() == npyz::TypeChar::Float && t.size_field() == 4 => {
+            npy.into_vec::<f32>().map_err(|e| anyhow!("{}: {e}", path.display()))?.into_iter().map(f64::from).collect()
+        }
+        npyz::DType::Plain(t) if t.type_char() == npyz::TypeChar::Float && t.size_field() == 8 => {
+            npy.into_vec::<f64>().map_err(|e| anyhow!("{}: {e}", path.display()))?
         }
         npyz::DType::Plain(t) if matches!(t.type_char(), npyz::TypeChar::Int | npyz::TypeChar::Uint) => {
             npy.into_vec::<i64>().map_err(|e| anyhow!("{}: {e}", path.display()))?.into_iter().map(|v| v as f64).collect()

@@ -31,6 +31,10 @@ pub struct Gguf {
 impl Gguf {
     pub fn open(path: &Path) -> Result<Gguf> {
         let mut file = File::open(path).with_context(|| format!("cannot open model file {}", path.display()))?;
+        if declared_alignment(&mut file).map_err(|e| anyhow!("{} is not a readable GGUF file: {e}", path.display()))? == Some(0) {
+            bail!("{}: general.alignment is 0", path.display());
+        }
+        file.seek(SeekFrom::Start(0))?;
         let content = Content::read(&mut file)
             .map_err(|e| anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
         let gguf = Gguf { path: path.to_path_buf(), content };
@@ -42,7 +46,16 @@ impl Gguf {
     fn check_tensor_bounds(&self, file: &mut File) -> Result<()> {
         let size = file.seek(SeekFrom::End(0))?;
         for (name, info) in &self.content.tensor_infos {
-            let end = self.content.tensor_data_offset + info.offset + byte_len(info.ggml_dtype, info.shape.elem_count()) as u64;
+            // Shapes and offsets come from the file: a product or sum that wraps would pass the check below.
+            let elems = info.shape.dims().iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            let dtype = info.ggml_dtype;
+            let bytes = elems.filter(|n| n % dtype.block_size() == 0).and_then(|n| (n / dtype.block_size()).checked_mul(dtype.type_size()));
+            // Dequantized, a tensor takes 4 bytes a value; that product must not wrap either.
+            let bytes = bytes.filter(|_| elems.is_some_and(|n| n.checked_mul(4).is_some())).map(|b| b as u64);
+            let end = bytes.and_then(|b| self.content.tensor_data_offset.checked_add(info.offset)?.checked_add(b));
+            let Some(end) = end else {
+                bail!("{}: tensor {name} has an impossible shape {:?} or offset {}", self.path.display(), info.shape.dims(), info.offset);
+            };
             if end > size {
                 bail!(
                     "{} is truncated: tensor {name} ends at byte {end} but the file has {size} bytes",
@@ -71,10 +84,9 @@ impl Gguf {
 
     pub fn meta_u32(&self, key: &str) -> Result<u32> {
         let v = self.meta(key).ok_or_else(|| anyhow!("{}: metadata key {key} is missing", self.path.display()))?;
-        v.to_u32()
-            .or_else(|_| v.to_u64().map(|x| x as u32))
-            .or_else(|_| v.to_i32().map(|x| x as u32))
-            .map_err(|e| anyhow!("{}: metadata key {key}: {e}", self.path.display()))
+        let wide = v.to_u32().map(u64::from).or_else(|_| v.to_u64()).or_else(|_| v.to_i32().map(|x| x as u64).map(|x| if (x as i64) < 0 { u64::MAX } else { x }));
+        let wide = wide.map_err(|e| anyhow!("{}: metadata key {key}: {e}", self.path.display()))?;
+        u32::try_from(wide).map_err(|_| anyhow!("{}: metadata key {key} is {}, out of range", self.path.display(), v.to_i32().map_or(wide as i64, i64::from)))
     }
 
     pub fn meta_f32(&self, key: &str) -> Result<f32> {
@@ -93,6 +105,84 @@ impl Gguf {
         file.seek(SeekFrom::Start(self.content.tensor_data_offset + info.offset))?;
         file.read_exact(&mut bytes).with_context(|| format!("{}: reading tensor {name}", self.path.display()))?;
         Ok((info.ggml_dtype, info.shape.dims().to_vec(), bytes))
+    }
+}
+
+/// The `general.alignment` a GGUF header declares, read before candle's reader, which divides by it unchecked.
+/// Walks the metadata as the format lays it out (v1 counts and lengths are u32, later ones u64), bounded by the
+/// file's length; candle reads the header again and checks the rest.
+fn declared_alignment(file: &mut File) -> Result<Option<u64>> {
+    let size = file.seek(SeekFrom::End(0))?;
+    let mut r = std::io::BufReader::new(&mut *file);
+    r.seek(SeekFrom::Start(0))?;
+    let mut word = [0u8; 8];
+    let mut read = |r: &mut std::io::BufReader<&mut File>, n: usize| -> Result<u64> {
+        r.read_exact(&mut word[..n]).context("the header ends early")?;
+        Ok(u64::from_le_bytes(word))
+    };
+    let (magic, version) = (read(&mut r, 4)?, read(&mut r, 4)?);
+    if magic != 0x4655_4747 {
+        return Ok(None);
+    }
+    let count = if version == 1 { 4 } else { 8 };
+    let _tensors = read(&mut r, count)?;
+    let entries = read(&mut r, count)?;
+    for _ in 0..entries {
+        let len = read(&mut r, count)?;
+        if len > size {
+            bail!("a metadata key of {len} bytes in a file of {size}");
+        }
+        let mut key = vec![0u8; len as usize];
+        r.read_exact(&mut key).context("the header ends early")?;
+        let kind = read(&mut r, 4)?;
+        if key == b"general.alignment" {
+            let width = match kind {
+                0 | 1 => 1,
+                2 | 3 => 2,
+                4 | 5 => 4,
+                _ => return Ok(None),
+            };
+            return Ok(Some(read(&mut r, width)?));
+        }
+        skip_value(&mut r, kind, count, size, 0)?;
+    }
+    Ok(None)
+}
+
+fn skip_value(r: &mut std::io::BufReader<&mut File>, kind: u64, count: usize, size: u64, depth: usize) -> Result<()> {
+    let mut word = [0u8; 8];
+    let mut read = |r: &mut std::io::BufReader<&mut File>, n: usize| -> Result<u64> {
+        r.read_exact(&mut word[..n]).context("the header ends early")?;
+        Ok(u64::from_le_bytes(word))
+    };
+    let fixed = |kind: u64| match kind {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    };
+    let skip = |r: &mut std::io::BufReader<&mut File>, n: u64| -> Result<()> {
+        let n = i64::try_from(n).ok().filter(|&n| (n as u64) <= size).ok_or_else(|| anyhow!("a value of {n} bytes in a file of {size}"))?;
+        r.seek_relative(n)?;
+        Ok(())
+    };
+    match (kind, fixed(kind)) {
+        (_, Some(width)) => skip(r, width),
+        (8, _) => {
+            let len = read(r, count)?;
+            skip(r, len)
+        }
+        (9, _) if depth < 4 => {
+            let inner = read(r, 4)?;
+            let n = read(r, count)?;
+            match fixed(inner) {
+                Some(width) => skip(r, n.checked_mul(width).unwrap_or(u64::MAX)),
+                None if n > size => bail!("an array of {n} values in a file of {size}"),
+                None => (0..n).try_for_each(|_| skip_value(r, inner, count, size, depth + 1)),
+            }
+        }
+        _ => bail!("metadata value type {kind} is not one GGUF defines"),
     }
 }
 
@@ -190,6 +280,15 @@ impl Safetensors {
     }
 }
 
+/// Weights are f16, bf16, f32 or f64: integer tensors are not weights, and 8-bit or smaller floats would need the
+/// scales a quantized checkpoint keeps beside them (read as they are, the numbers would be wrong).
+pub fn float_weights(t: &candle_core::Tensor, path: &Path, name: &str) -> Result<()> {
+    match t.dtype() {
+        DType::F16 | DType::BF16 | DType::F32 | DType::F64 => Ok(()),
+        other => bail!("{}: tensor {name} has dtype {other:?}; frspec reads f32, f16 and bf16 weights", path.display()),
+    }
+}
+
 /// The shard list of a model folder (index file) or a single file.
 pub fn safetensors_files(path: &Path) -> Result<Vec<PathBuf>> {
     if path.is_file() {
@@ -270,16 +369,14 @@ impl WeightSource for Safetensors {
         let storage = match t.dtype() {
             DType::F16 if self.keep_f16 => Storage::F16(flat.to_vec1::<f16>()?),
             DType::F16 | DType::BF16 | DType::F32 | DType::F64 => Storage::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-            other => bail!("{}: tensor {} has dtype {other:?}; frspec reads f32, f16 and bf16 weights", self.path.display(), hf_name(name)),
+            _ => return Err(float_weights(&t, &self.path, &hf_name(name)).expect_err("not a weight dtype")),
         };
         Ok(Matrix { rows, cols, storage })
     }
 
     fn vector(&self, name: &str) -> Result<Vec<f32>> {
         let t = self.load(name)?;
-        if !t.dtype().is_float() {
-            bail!("{}: tensor {} has dtype {:?}, expected a float type", self.path.display(), hf_name(name), t.dtype());
-        }
+        float_weights(&t, &self.path, &hf_name(name))?;
         Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
     }
 }

@@ -56,7 +56,11 @@ impl SweepResult {
         let cells = store::read_summary(&summary)?;
         let manifest_path = dir.join(Manifest::FILE);
         let text = std::fs::read_to_string(&manifest_path).with_context(|| format!("cannot read {}", manifest_path.display()))?;
-        let manifest = serde_json::from_str(&text).map_err(|e| anyhow!("{} is not valid JSON: {e}", manifest_path.display()))?;
+        let manifest: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| anyhow!("{} is not valid JSON: {e}", manifest_path.display()))?;
+        if !manifest["settings"].is_object() || !manifest["files"].is_object() {
+            bail!("{}: `settings` and `files` must be objects; it is not a frspec manifest", manifest_path.display());
+        }
         Ok(SweepResult { dir: dir.to_path_buf(), cells, manifest })
     }
 

@@ -62,6 +62,29 @@ impl TurnRecord {
         self.accepted_per_pos.iter_mut().take(accepted).for_each(|c| *c += 1);
     }
 
+    /// Whether the counts relate as `count_step` makes them. A record read back from a sweep's journal may have been
+    /// damaged or edited, and summaries built on one that is not would be nonsense (an acceptance rate of 2475%).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let per_position = self.accepted_per_pos.iter().try_fold(0u64, |sum, &c| sum.checked_add(c));
+        let descending = self.accepted_per_pos.windows(2).all(|w| w[0] >= w[1]);
+        let expected_ok = self.expected_accepted.is_finite()
+            && self.expected_accepted >= 0.0
+            && self.expected_accepted <= self.draft_tokens as f64 * (1.0 + 1e-9);
+        let secs_ok = [self.draft_secs, self.target_secs].iter().all(|s| s.is_finite() && *s >= 0.0);
+        let problem = if self.accepted > self.draft_tokens {
+            "more tokens accepted than drafted"
+        } else if per_position != Some(self.accepted) || !descending || self.accepted_per_pos.first().is_some_and(|&c| c > self.drafts) {
+            "the per-position counts do not add up to the accepted tokens"
+        } else if !expected_ok {
+            "the expected accepted count is out of range"
+        } else if !secs_ok {
+            "a time is negative or not a number"
+        } else {
+            return Ok(());
+        };
+        Err(problem.to_string())
+    }
+
     /// Timings vary from run to run; everything else must not.
     pub fn without_timings(&self) -> TurnRecord {
         TurnRecord { draft_secs: 0.0, target_secs: 0.0, ..self.clone() }
@@ -580,4 +603,30 @@ pub fn drafts_along<T: TargetModel>(
         records.push(rec);
     }
     Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_that_count_steps_pass_their_check_and_edited_ones_do_not() {
+        let mut rec = TurnRecord { accepted_per_pos: vec![0; 4], ..TurnRecord::default() };
+        for (verified, accepted) in [(4, 2), (4, 4), (3, 0), (1, 1)] {
+            rec.count_step(verified, accepted, accepted as f64 * 0.9);
+        }
+        assert_eq!(rec.check(), Ok(()));
+        let edits: [fn(&mut TurnRecord); 5] = [
+            |r| r.accepted = 99,
+            |r| r.accepted_per_pos[0] += 1,
+            |r| r.expected_accepted = f64::NAN,
+            |r| r.expected_accepted = 1e9,
+            |r| r.target_secs = -1.0,
+        ];
+        for edit in edits {
+            let mut bad = rec.clone();
+            edit(&mut bad);
+            assert!(bad.check().is_err(), "{bad:?}");
+        }
+    }
 }

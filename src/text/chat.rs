@@ -17,6 +17,8 @@ impl Message {
     }
 }
 
+const TEMPLATE_FUEL: u64 = 10_000_000;
+
 #[derive(Clone)]
 pub struct ChatTemplate {
     source: String,
@@ -35,6 +37,9 @@ impl ChatTemplate {
         // transformers renders with trim_blocks and lstrip_blocks; templates are written for that.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // A template comes with the model, from whoever published it: one that loops for ever must end in an error.
+        // Real chat templates take thousands of steps for a long conversation.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
@@ -79,5 +84,12 @@ mod tests {
         assert_eq!(t.render(&[Message::new("user", "  x ")], false).unwrap(), "<s>xUSER");
         let err = t.render(&[Message::new("tool", "x")], false).unwrap_err();
         assert!(err.to_string().contains("no tools"), "{err}");
+    }
+
+    #[test]
+    fn a_template_that_never_ends_is_an_error() {
+        let t = ChatTemplate::new("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "", "");
+        let err = t.render(&[Message::new("user", "x")], false).unwrap_err();
+        assert!(err.to_string().contains("fuel"), "{err}");
     }
 }

@@ -182,7 +182,11 @@ impl Folder {
 
     fn read_unit(&self, path: &Path) -> Result<UnitFile> {
         let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        serde_json::from_slice(&bytes).map_err(|e| anyhow!("{} is damaged ({e})", path.display()))
+        let unit: UnitFile = serde_json::from_slice(&bytes).map_err(|e| anyhow!("{} is damaged ({e})", path.display()))?;
+        for run in &unit.runs {
+            run.record.check().map_err(|why| anyhow!("{} is damaged ({why})", path.display()))?;
+        }
+        Ok(unit)
     }
 
     /// Every journalled run of `units`, read back from disk whether this invocation or an earlier one made it, so a

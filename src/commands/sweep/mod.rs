@@ -2,7 +2,7 @@
 //! choose the engine, run the units the folder lacks (`crate::sweep`), then assemble runs.parquet, summary.parquet,
 //! the timing tables and manifest.json from the folder's journal.
 
-mod folder;
+pub mod folder;
 mod progress;
 
 pub use folder::{FolderMode, Identity};

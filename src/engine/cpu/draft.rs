@@ -138,6 +138,7 @@ impl WeightSource for TensorFile {
 
     fn matrix(&self, name: &str) -> Result<Matrix> {
         let t = self.get(name)?;
+        crate::loading::weights::float_weights(t, &self.path, &self.key(name))?;
         let &[rows, cols] = t.dims() else {
             bail!("{}: tensor {} has shape {:?}, expected 2 dimensions", self.path.display(), self.key(name), t.dims())
         };
@@ -146,7 +147,9 @@ impl WeightSource for TensorFile {
     }
 
     fn vector(&self, name: &str) -> Result<Vec<f32>> {
-        Ok(self.get(name)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        let t = self.get(name)?;
+        crate::loading::weights::float_weights(t, &self.path, &self.key(name))?;
+        Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
     }
 }
 

@@ -613,10 +613,10 @@ fn gguf_config(g: &Gguf) -> Result<Config> {
     let hidden = g.meta_u32(&key("embedding_length"))? as usize;
     let heads = g.meta_u32(&key("attention.head_count"))? as usize;
     let kv_heads = g.meta_u32(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(heads);
-    let head_dim = g.meta_u32(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
+    let head_dim = g.meta_u32(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden.checked_div(heads).unwrap_or(0));
     let vocab = match g.meta_u32(&key("vocab_size")) {
         Ok(v) => v as usize,
-        Err(_) => g.content.tensor_infos.get("token_embd.weight").map(|t| t.shape.dims()[0]).ok_or_else(|| {
+        Err(_) => g.content.tensor_infos.get("token_embd.weight").and_then(|t| t.shape.dims().first().copied()).ok_or_else(|| {
             anyhow!("{}: no {arch}.vocab_size and no token_embd.weight", g.path().display())
         })?,
     };
@@ -702,8 +702,18 @@ fn validate(c: &Config, path: &Path) -> Result<()> {
     if c.heads == 0 || c.kv_heads == 0 || c.heads % c.kv_heads != 0 {
         bail!("{}: {} attention heads cannot share {} key/value heads", path.display(), c.heads, c.kv_heads);
     }
-    if c.head_dim == 0 || c.head_dim % 2 != 0 || c.hidden == 0 || c.layers == 0 || c.vocab == 0 {
+    if c.head_dim == 0 || c.head_dim % 2 != 0 || c.hidden == 0 || c.intermediate == 0 || c.layers == 0 || c.vocab == 0 {
         bail!("{}: implausible model dimensions {c:?}", path.display());
+    }
+    let positive = |x: f32| x.is_finite() && x > 0.0;
+    if !positive(c.rms_eps) || !positive(c.rope_theta) {
+        bail!("{}: the RMS-norm epsilon ({}) and RoPE base ({}) must be positive numbers", path.display(), c.rms_eps, c.rope_theta);
+    }
+    if let Some(s) = &c.rope_scaling {
+        let factors = [s.factor, s.low_freq_factor, s.high_freq_factor];
+        if !factors.into_iter().all(positive) || s.high_freq_factor == s.low_freq_factor || s.original_max_position_embeddings == 0 {
+            bail!("{}: implausible rope_scaling {s:?}", path.display());
+        }
     }
     Ok(())
 }
