@@ -234,7 +234,7 @@ fn to_u64_counts(t: &Tensor, path: &Path) -> Result<Vec<u64>> {
         bail!("{}: a frequency tensor must be 1-D (one count per token id), got shape {:?}", path.display(), t.dims());
     }
     // Only these convert to f64 exactly or at all (candle's 8-bit float conversion never returned).
-    if !matches!(t.dtype(), DType::U8 | DType::U32 | DType::I64 | DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
+    if !matches!(t.dtype(), DType::U8 | DType::U32 | DType::I16 | DType::I32 | DType::I64 | DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
         bail!("{}: frequencies of dtype {:?} are not supported (use an integer or f16/bf16/f32/f64 tensor)", path.display(), t.dtype());
     }
     let v = t.to_dtype(DType::F64)?.to_vec1::<f64>()?;

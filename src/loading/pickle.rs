@@ -130,7 +130,9 @@ impl TensorView {
                     Some("DoubleStorage") => DType::F64,
                     Some("HalfStorage") => DType::F16,
                     Some("BFloat16Storage") => DType::BF16,
-                    Some("ByteStorage") => DType::U8,
+                    Some("ByteStorage") | Some("BoolStorage") => DType::U8,
+                    Some("ShortStorage") => DType::I16,
+                    Some("IntStorage") => DType::I32,
                     Some("LongStorage") => DType::I64,
                     _ => bail!("unsupported tensor storage {class_of:?}"),
                 };
