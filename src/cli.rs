@@ -14,6 +14,10 @@ fn ratio(text: &str) -> std::result::Result<f64, String> {
     Ok(r)
 }
 
+fn shard(text: &str) -> std::result::Result<frspec::sweep::shard::Shard, String> {
+    frspec::sweep::shard::Shard::parse(text).map_err(|e| e.to_string())
+}
+
 #[derive(Parser)]
 #[command(name = "frspec", version, args_override_self = true, about = "Measure what FR-Spec vocabulary pruning does to speculative-decoding acceptance")]
 pub struct Cli {
@@ -161,6 +165,19 @@ pub enum Command {
         /// Plain progress lines instead of bars.
         #[arg(long)]
         quiet: bool,
+        /// Run only shard I of N of the units (I from 0), e.g. one task of a job array; `slurm` takes I and N from
+        /// the Slurm array task. Each shard writes its own --out; `frspec merge` joins them.
+        #[arg(long, value_parser = shard)]
+        shard: Option<frspec::sweep::shard::Shard>,
+    },
+    /// Join the folders of a sharded sweep (`sweep --shard I/N`) into the folder one machine would have written.
+    Merge {
+        /// The merged sweep's folder (must not hold anything).
+        #[arg(long)]
+        out: PathBuf,
+        /// Every shard's folder, one per shard.
+        #[arg(required = true)]
+        shards: Vec<PathBuf>,
     },
     /// Plots of a sweep folder (PNG and SVG) into DIR/plots/.
     Plot {

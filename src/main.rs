@@ -18,6 +18,29 @@ fn main() {
     }
 }
 
+/// What a sweep measured, its table, and where it went (a shard: only where; its table comes with the merge).
+fn print_sweep(settings: &frspec::spec::Settings, outcome: &frspec::commands::sweep::Outcome, out: &std::path::Path) {
+    if let Some(shard) = settings.shard {
+        eprintln!("shard {shard}: {} units run, {} resumed → {} (join the shards with frspec merge)", outcome.units_run, outcome.units_resumed, out.display());
+        return;
+    }
+    let draft = settings.draft.as_deref().map_or(settings.draft_kind.to_string(), |d| format!("{} ({d})", settings.draft_kind));
+    println!(
+        "{} · draft {draft} · freq {} · {} · k = {} · {} turn(s) · ≤ {} new tokens · {} repeat(s), seed {}",
+        settings.model,
+        settings.freq.as_deref().unwrap_or("-"),
+        settings.dataset,
+        settings.k,
+        settings.turns,
+        settings.max_new_tokens,
+        settings.repeats,
+        settings.seed
+    );
+    println!("95% bootstrap intervals over prompts; t-intervals over repeats are in summary.parquet");
+    print!("{}", frspec::outputs::report::table(&outcome.summary, &outcome.timings, false));
+    eprintln!("{} units run, {} resumed → {}", outcome.units_run, outcome.units_resumed, out.display());
+}
+
 /// An error is one line, whatever the library below wrote into its message (npyz draws a caret diagram).
 fn report(e: &anyhow::Error) {
     let text = format!("{e:#}");
@@ -57,7 +80,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             score::run(&model.load()?, input, json, logits_out.as_deref())?;
         }
-        Command::Sweep { spec, config, speculative_config, out, resume, overwrite, quiet } => {
+        Command::Sweep { spec, config, speculative_config, out, resume, overwrite, quiet, shard } => {
             let file = config.as_deref().map(frspec::spec::SweepSpec::from_toml_file).transpose()?;
             let vllm = match &speculative_config {
                 Some(json) => {
@@ -69,7 +92,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 None => None,
             };
-            let settings = frspec::spec::resolve(file.as_ref(), vllm.as_ref(), &spec)?;
+            let settings = frspec::spec::Settings { shard, ..frspec::spec::resolve(file.as_ref(), vllm.as_ref(), &spec)? };
             let mode = match (resume, overwrite) {
                 (true, _) => FolderMode::Resume,
                 (_, true) => FolderMode::Overwrite,
@@ -77,26 +100,12 @@ fn run(cli: Cli) -> Result<()> {
             };
             let options = frspec::commands::sweep::Options { mode, quiet, command: std::env::args().collect() };
             let outcome = frspec::commands::sweep::execute(&settings, &out, &options)?;
-            let draft = settings.draft.as_deref().map_or(settings.draft_kind.to_string(), |d| format!("{} ({d})", settings.draft_kind));
-            println!(
-                "{} · draft {draft} · freq {} · {} · k = {} · {} turn(s) · ≤ {} new tokens · {} repeat(s), seed {}",
-                settings.model,
-                settings.freq.as_deref().unwrap_or("-"),
-                settings.dataset,
-                settings.k,
-                settings.turns,
-                settings.max_new_tokens,
-                settings.repeats,
-                settings.seed
-            );
-            println!("95% bootstrap intervals over prompts; t-intervals over repeats are in summary.parquet");
-            print!("{}", frspec::outputs::report::table(&outcome.summary, &outcome.timings, false));
-            eprintln!(
-                "{} units run, {} resumed → {}",
-                outcome.units_run,
-                outcome.units_resumed,
-                out.display()
-            );
+            print_sweep(&settings, &outcome, &out);
+        }
+        Command::Merge { out, shards } => {
+            let options = frspec::commands::sweep::Options { mode: FolderMode::Fresh, quiet: true, command: std::env::args().collect() };
+            let (settings, outcome) = frspec::commands::sweep::merge(&shards, &out, &options)?;
+            print_sweep(&settings, &outcome, &out);
         }
         Command::TrainEagle {
             target, out, corpus, format, prompts, templates, continuations, self_prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,

@@ -181,7 +181,7 @@ pub fn preset(name: &str) -> Result<SweepSpec> {
 }
 
 /// How the draft head is pruned in each cell.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Pruning {
     Ratios(Vec<f64>),
@@ -189,12 +189,12 @@ pub enum Pruning {
 }
 
 /// A sweep with every setting decided.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Settings {
     pub preset: Option<String>,
     pub model: String,
     pub draft: Option<String>,
-    #[serde(serialize_with = "as_display")]
+    #[serde(serialize_with = "as_display", deserialize_with = "from_display")]
     pub draft_kind: DraftKind,
     pub freq: Option<String>,
     pub pruning: Pruning,
@@ -212,12 +212,33 @@ pub struct Settings {
     pub device: String,
     pub dtype: String,
     /// Left out of the settings' JSON for the CPU engine, so folders made before engines existed keep their identity.
-    #[serde(skip_serializing_if = "EngineKind::is_cpu")]
+    #[serde(skip_serializing_if = "EngineKind::is_cpu", default = "cpu_engine")]
     pub engine: EngineKind,
     /// Not in the settings' JSON: records depend on it only on the candle engine, whose sweeps add it
     /// (`identity_json`).
     #[serde(skip)]
     pub batch: usize,
+    /// The part of the sweep this run makes (`--shard`); in the identity as `"shard": "I/N"` when set.
+    #[serde(skip)]
+    pub shard: Option<crate::sweep::shard::Shard>,
+}
+
+/// Sequences decoded together when the settings do not say: enough to fill a GPU, few enough for a CPU's caches.
+fn default_batch(on_cpu: bool) -> usize {
+    if on_cpu {
+        8
+    } else {
+        64
+    }
+}
+
+fn cpu_engine() -> EngineKind {
+    EngineKind::Cpu
+}
+
+fn from_display<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<DraftKind, D::Error> {
+    let text = String::deserialize(d)?;
+    text.parse().map_err(serde::de::Error::custom)
 }
 
 /// The most sequences one batch may hold: a slot holds a draft and a cache for the whole context.
@@ -230,7 +251,30 @@ impl Settings {
         if !self.engine.is_cpu() {
             json["batch"] = self.batch.into();
         }
+        if let Some(shard) = self.shard {
+            json["shard"] = shard.to_string().into();
+        }
         Ok(json)
+    }
+
+    /// The settings a sweep folder's identity records, read back (`frspec merge` rebuilds the sweep its shards ran).
+    /// Reading back must give the same identity; otherwise another version of frspec wrote it.
+    pub fn from_identity(json: &serde_json::Value) -> Result<Settings> {
+        let mut settings: Settings =
+            serde_json::from_value(json.clone()).map_err(|e| anyhow!("the recorded settings do not read back: {e}"))?;
+        settings.batch = match json.get("batch") {
+            Some(b) => b.as_u64().and_then(|b| usize::try_from(b).ok()).ok_or_else(|| anyhow!("the recorded batch {b} is not a count"))?,
+            None => default_batch(settings.device == "cpu"),
+        };
+        settings.shard = match json.get("shard") {
+            Some(serde_json::Value::String(s)) => Some(crate::sweep::shard::Shard::parse(s)?),
+            Some(other) => bail!("the recorded shard {other} is not I/N"),
+            None => None,
+        };
+        if settings.identity_json()? != *json {
+            bail!("the recorded settings read back differently: the folder was made by another version of frspec");
+        }
+        Ok(settings)
     }
 }
 
@@ -305,11 +349,12 @@ pub fn resolve(file: Option<&SweepSpec>, vllm: Option<&SweepSpec>, flags: &Sweep
         draft_mode: s.draft_mode.unwrap_or(DraftMode::Argmax),
         dtype: s.dtype.unwrap_or_else(|| if on_cpu { "f32" } else { "bf16" }.into()),
         engine: s.engine.unwrap_or(if on_cpu { EngineKind::Cpu } else { EngineKind::Candle }),
-        batch: match s.batch.unwrap_or(if on_cpu { 8 } else { 64 }) {
+        batch: match s.batch.unwrap_or(default_batch(on_cpu)) {
             b @ 1..=MAX_BATCH => b,
             b => bail!("batch is {b}: a sweep decodes 1 to {MAX_BATCH} sequences together"),
         },
         device,
+        shard: None,
     })
 }
 

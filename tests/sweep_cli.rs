@@ -407,3 +407,96 @@ fn a_damaged_journal_entry_is_redone_a_held_folder_is_refused() {
     assert!(out.status.code() == Some(1) && stderr.contains("cannot read --out"), "{stderr}");
     assert_eq!(std::fs::read(&file).unwrap(), b"mine");
 }
+
+/// `src` copied into `dst`, folders and all.
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let path = entry.unwrap().path();
+        let to = dst.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_dir(&path, &to);
+        } else {
+            std::fs::copy(&path, &to).unwrap();
+        }
+    }
+}
+
+#[test]
+fn three_shards_merged_give_the_one_machine_tables_and_a_bad_merge_writes_nothing() {
+    let f = Fixture::new(4);
+    let whole = f.dir.path().join("whole");
+    ok(f.sweep(&whole, &SMALL));
+    let shard = |i: usize, extra: &[&str]| {
+        let dir = f.dir.path().join(format!("shard{i}{}", extra.join("")));
+        let mut cmd = f.sweep(&dir, &SMALL);
+        cmd.args(["--shard", &format!("{i}/3")]).args(extra);
+        ok(cmd);
+        dir
+    };
+    let shards: Vec<PathBuf> = (0..3).map(|i| shard(i, &[])).collect();
+    // 3 greedy units + 3 prompts × 2 repeats sampled, split three ways; a shard writes no tables of its own.
+    let entries = |d: &Path| std::fs::read_dir(d.join("units")).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with('t')).count();
+    assert_eq!(shards.iter().map(|d| entries(d)).sum::<usize>(), 9);
+    assert!(shards.iter().all(|d| entries(d) > 0 && !d.join("summary.parquet").exists()));
+
+    let merge = |out: &Path, dirs: &[&Path]| {
+        let mut cmd = frspec();
+        cmd.args(["merge", "--out", out.to_str().unwrap()]).args(dirs);
+        cmd.output().unwrap()
+    };
+    let merged = f.dir.path().join("merged");
+    let all: Vec<&Path> = shards.iter().map(|d| d.as_path()).collect();
+    let done = merge(&merged, &all);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    for file in ["runs.parquet", "summary.parquet"] {
+        assert!(bytes(&whole, file) == bytes(&merged, file), "{file}: merged shards differ from the one-machine sweep");
+    }
+    let settings = |d: &Path| serde_json::from_slice::<serde_json::Value>(&bytes(d, "manifest.json")).unwrap()["settings"].clone();
+    assert_eq!(settings(&merged), settings(&whole));
+    assert_eq!(settings(&shards[1])["shard"], "1/3");
+
+    // A shard resumes like any sweep, and refuses to become another shard.
+    let mut again = f.sweep(&shards[0], &SMALL);
+    again.args(["--shard", "0/3", "--resume"]);
+    ok(again);
+    let mut other = f.sweep(&shards[0], &SMALL);
+    other.args(["--shard", "1/3", "--resume"]);
+    let refused = other.output().unwrap();
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("shard: \"0/3\" → \"1/3\""), "{}", String::from_utf8_lossy(&refused.stderr));
+
+    let lacking = f.dir.path().join("lacking");
+    copy_dir(&shards[2], &lacking);
+    let first_unit = |d: &Path| std::fs::read_dir(d.join("units")).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with('t')).unwrap();
+    std::fs::remove_file(first_unit(&lacking)).unwrap();
+    let damaged = f.dir.path().join("damaged");
+    copy_dir(&shards[2], &damaged);
+    std::fs::write(first_unit(&damaged), b"{\"key\": ").unwrap();
+    let reseeded = shard(2, &["--seed", "8"]);
+    let occupied = f.dir.path().join("occupied");
+    std::fs::create_dir_all(&occupied).unwrap();
+    std::fs::write(occupied.join("notes.txt"), "mine").unwrap();
+    let (s0, s1) = (shards[0].as_path(), shards[1].as_path());
+    let cases: [(&[&Path], &str); 7] = [
+        (&[s0, s1], "shard 2/3 is missing"),
+        (&[s0, s1, s1], "are both shard 1/3"),
+        (&[s0, s1, &reseeded], "was made with other settings"),
+        (&[s0, s1, &whole], "holds a whole sweep, not a shard"),
+        (&[s0, s1, &lacking], "(shard 2/3) lacks 1 of its"),
+        (&[s0, s1, &damaged], "is damaged"),
+        (&[s0, s1, &shards[2]], "does not hold a frspec sweep"),
+    ];
+    for (i, (dirs, expected)) in cases.iter().enumerate() {
+        let out = if i == 6 { occupied.clone() } else { f.dir.path().join(format!("bad{i}")) };
+        let run = merge(&out, dirs);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(run.status.code() == Some(1) && stderr.lines().count() == 1 && stderr.contains(expected), "case {i}: {stderr}");
+        assert!(i == 6 || !out.exists(), "case {i}: a failed merge left {}", out.display());
+    }
+    assert_eq!(std::fs::read_dir(&occupied).unwrap().count(), 1, "a failed merge wrote into a folder that was not its own");
+
+    let mut outside = f.sweep(&f.dir.path().join("slurm"), &SMALL);
+    outside.args(["--shard", "slurm"]).env_remove("SLURM_ARRAY_TASK_ID");
+    let refused = outside.output().unwrap();
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("SLURM_ARRAY_TASK_ID is not set"));
+}

@@ -120,6 +120,9 @@ pub struct Manifest<'a> {
     pub units_total: usize,
     /// When the tables were written, seconds since the Unix epoch.
     pub finished_unix: u64,
+    /// The shard folders a merged sweep was joined from (`frspec merge`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub merged_from: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]

@@ -6,6 +6,8 @@
 //! from different draws. At T = 0 decoding is deterministic: each (prompt, turn) runs once through the fast path
 //! for every ratio together, and its records stand for every repeat.
 
+pub mod shard;
+
 use crate::text::chat::Message;
 use crate::text::dataset::Question;
 use crate::sampling::Sampling;

@@ -30,7 +30,7 @@ pub struct Identity {
 
 impl Identity {
     /// What differs from `other`, one phrase per setting or file.
-    fn differences(&self, other: &Identity) -> Vec<String> {
+    pub fn differences(&self, other: &Identity) -> Vec<String> {
         let mut out = Vec::new();
         let (a, b) = (self.settings.as_object(), other.settings.as_object());
         for (key, value) in a.into_iter().flatten() {
@@ -154,39 +154,21 @@ impl Folder {
         write_atomic(&self.units().join(key.file_name()), &bytes)
     }
 
-    /// Finished units and the seconds each took. An entry that cannot be read back as the unit its name says is
-    /// redone (its file is written over); an entry the plan has no unit for is left alone; both are noted.
     fn finished(&self, all_units: &[UnitKey]) -> Result<Journal> {
-        let names: BTreeSet<String> = all_units.iter().map(UnitKey::file_name).collect();
-        let mut journal = Journal { done: BTreeMap::new(), notes: Vec::new() };
-        for entry in std::fs::read_dir(self.units()).with_context(|| format!("cannot read {}", self.units().display()))? {
-            let path = entry?.path();
-            let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
-            if name == IDENTITY || name == LOCK || path.extension().is_some_and(|e| e == "partial") {
-                continue;
-            }
-            if !names.contains(&name) {
-                journal.notes.push(format!("ignoring {}: not a unit of this sweep", path.display()));
-                continue;
-            }
-            match self.read_unit(&path) {
-                Ok(unit) if unit.key.file_name() == name => {
-                    journal.done.insert(unit.key, unit.secs);
-                }
-                Ok(_) => journal.notes.push(format!("redoing {name}: its journal entry holds another unit")),
-                Err(e) => journal.notes.push(format!("redoing {name}: {e:#}")),
-            }
-        }
-        Ok(journal)
+        journal(&self.dir, all_units)
     }
 
-    fn read_unit(&self, path: &Path) -> Result<UnitFile> {
-        let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let unit: UnitFile = serde_json::from_slice(&bytes).map_err(|e| anyhow!("{} is damaged ({e})", path.display()))?;
-        for run in &unit.runs {
-            run.record.check().map_err(|why| anyhow!("{} is damaged ({why})", path.display()))?;
+    /// Copy `units`' journal entries from the shard folder `shard` (`frspec merge`), returning the seconds each took;
+    /// each is read back first, so a damaged one stops the merge.
+    pub fn adopt(&self, shard: &Path, units: &[UnitKey]) -> Result<BTreeMap<UnitKey, f64>> {
+        let mut done = BTreeMap::new();
+        for key in units {
+            let path = shard.join(UNITS).join(key.file_name());
+            let unit = read_unit(&path)?;
+            write_atomic(&self.units().join(key.file_name()), &std::fs::read(&path)?)?;
+            done.insert(*key, unit.secs);
         }
-        Ok(unit)
+        Ok(done)
     }
 
     /// Every journalled run of `units`, read back from disk whether this invocation or an earlier one made it, so a
@@ -194,8 +176,52 @@ impl Folder {
     pub fn runs(&self, units: &[UnitKey]) -> Result<Vec<Run>> {
         let mut runs = Vec::new();
         for key in units {
-            runs.extend(self.read_unit(&self.units().join(key.file_name()))?.runs);
+            runs.extend(read_unit(&self.units().join(key.file_name()))?.runs);
         }
         Ok(runs)
     }
+}
+
+/// The identity of the sweep in folder `dir`.
+pub fn identity(dir: &Path) -> Result<Identity> {
+    let path = dir.join(UNITS).join(IDENTITY);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{} holds no frspec sweep (cannot read {})", dir.display(), path.display()))?;
+    serde_json::from_str(&text).map_err(|e| anyhow!("{} is not a sweep identity: {e}", path.display()))
+}
+
+/// The finished units in folder `dir`'s journal and the seconds each took, read without taking the folder. An entry
+/// that cannot be read back as the unit its name says is noted (a sweep redoes it); so is an entry the plan has no
+/// unit for (left alone).
+pub fn journal(dir: &Path, all_units: &[UnitKey]) -> Result<Journal> {
+    let units = dir.join(UNITS);
+    let names: BTreeSet<String> = all_units.iter().map(UnitKey::file_name).collect();
+    let mut journal = Journal { done: BTreeMap::new(), notes: Vec::new() };
+    for entry in std::fs::read_dir(&units).with_context(|| format!("cannot read {}", units.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
+        if name == IDENTITY || name == LOCK || path.extension().is_some_and(|e| e == "partial") {
+            continue;
+        }
+        if !names.contains(&name) {
+            journal.notes.push(format!("ignoring {}: not a unit of this sweep", path.display()));
+            continue;
+        }
+        match read_unit(&path) {
+            Ok(unit) if unit.key.file_name() == name => {
+                journal.done.insert(unit.key, unit.secs);
+            }
+            Ok(_) => journal.notes.push(format!("redoing {name}: its journal entry holds another unit")),
+            Err(e) => journal.notes.push(format!("redoing {name}: {e:#}")),
+        }
+    }
+    Ok(journal)
+}
+
+fn read_unit(path: &Path) -> Result<UnitFile> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let unit: UnitFile = serde_json::from_slice(&bytes).map_err(|e| anyhow!("{} is damaged ({e})", path.display()))?;
+    for run in &unit.runs {
+        run.record.check().map_err(|why| anyhow!("{} is damaged ({why})", path.display()))?;
+    }
+    Ok(unit)
 }

@@ -7,6 +7,7 @@ mod progress;
 
 pub use folder::{FolderMode, Identity};
 
+use crate::sweep::shard::{self, Shard};
 use crate::sweep::{Engine, Observer, Plan, Run, UnitKey};
 use folder::Folder;
 use progress::Progress;
@@ -23,7 +24,7 @@ use crate::text::tokenizer::Tokenizer;
 use crate::vocab::{Frequencies, KeepRule, KeepSet};
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Calls of each draft head timed for timing_summary.parquet.
@@ -165,6 +166,59 @@ impl Observer for Observe<'_> {
 }
 
 pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Outcome> {
+    sweep(settings, out, options, &[])
+}
+
+/// A shard's folder, as `merge` found it.
+struct Part {
+    dir: PathBuf,
+    shard: Shard,
+    files: BTreeMap<String, FileDigest>,
+}
+
+/// `frspec merge`: the shards of one sweep (`sweep --shard I/N`, every I once) joined into `out`, which then holds
+/// what one machine running the whole sweep would have written. Everything is checked before `out` is made: the
+/// same settings and input files, every shard present once, and every shard holding each of its units.
+pub fn merge(shard_dirs: &[PathBuf], out: &Path, options: &Options) -> Result<(Settings, Outcome)> {
+    let mut parts = Vec::new();
+    let mut base: Option<(serde_json::Value, &Path)> = None;
+    for dir in shard_dirs {
+        let identity = folder::identity(dir)?;
+        let mut settings = identity.settings.clone();
+        let shard = match settings.as_object_mut().and_then(|s| s.remove("shard")) {
+            Some(serde_json::Value::String(s)) => Shard::parse(&s)?,
+            _ => bail!("{} holds a whole sweep, not a shard of one (made without --shard)", dir.display()),
+        };
+        match &base {
+            None => base = Some((settings, dir)),
+            Some((first, first_dir)) if *first != settings => {
+                let (a, b) = (Identity { settings: first.clone(), files: BTreeMap::new() }, Identity { settings, files: BTreeMap::new() });
+                bail!("{} was made with other settings than {} ({})", dir.display(), first_dir.display(), b.differences(&a).join("; "));
+            }
+            Some(_) => {}
+        }
+        parts.push(Part { dir: dir.clone(), shard, files: identity.files });
+    }
+    let (settings, _) = base.ok_or_else(|| anyhow::anyhow!("merge needs the shards' folders"))?;
+    let count = parts[0].shard.count;
+    if let Some(p) = parts.iter().find(|p| p.shard.count != count) {
+        bail!("{} is shard {} but {} is shard {}: they split the sweep differently", p.dir.display(), p.shard, parts[0].dir.display(), parts[0].shard);
+    }
+    for index in 0..count {
+        let holders: Vec<&Part> = parts.iter().filter(|p| p.shard.index == index).collect();
+        match holders[..] {
+            [] => bail!("shard {index}/{count} is missing: name every shard's folder"),
+            [_] => {}
+            [a, b, ..] => bail!("{} and {} are both shard {index}/{count}", a.dir.display(), b.dir.display()),
+        }
+    }
+    let settings = Settings::from_identity(&settings)?;
+    let outcome = sweep(&settings, out, options, &parts)?;
+    Ok((settings, outcome))
+}
+
+/// A sweep into `out`; with `parts`, the units come from those shards' folders instead of being run.
+fn sweep(settings: &Settings, out: &Path, options: &Options, parts: &[Part]) -> Result<Outcome> {
     let wall = Instant::now();
     let questions = questions(settings)?;
     check(settings, &questions)?;
@@ -187,15 +241,16 @@ pub fn execute(settings: &Settings, out: &Path, options: &Options) -> Result<Out
             (rule, Some(f)) => Some(f.keep_set(*rule, vocab, &target.tokenizer.stop_ids)?),
         });
     }
-    let sweep = Sweep { settings, out, options, wall, questions: &questions, plan: &plan, freq_path: freq_path.as_deref(), target: &target };
+    let sweep = Sweep { settings, out, options, wall, questions: &questions, plan: &plan, freq_path: freq_path.as_deref(), target: &target, parts };
     let loaded = cpu::draft::load(&settings.draft_kind, settings.draft.as_deref(), &target, &settings.model)?;
     // One draft per slot of the batch, all on one copy of the weights; the heads, one per cell, come from the first.
-    match settings.engine {
-        EngineKind::Cpu => {
+    // A merge decodes nothing, so it needs no GPU even for a sweep that ran on one.
+    match (settings.engine, parts.is_empty()) {
+        (EngineKind::Cpu, _) | (EngineKind::Candle, false) => {
             let drafts = (0..settings.batch).map(|_| loaded.fresh().boxed()).collect();
             sweep.run(&target.model, drafts, keeps)
         }
-        EngineKind::Candle => {
+        (EngineKind::Candle, true) => {
             let (device, dtype) = (candle::device(&settings.device)?, candle::dtype(&settings.dtype)?);
             let llama = candle::llama::Llama::from_engine(&target.model, &device, dtype)?;
             let weights = DraftWeights::from_engine(&loaded, &llama)?;
@@ -215,9 +270,41 @@ struct Sweep<'a> {
     plan: &'a Plan,
     freq_path: Option<&'a Path>,
     target: &'a Target,
+    /// Shards whose journals a merge joins (empty for a sweep that runs its units).
+    parts: &'a [Part],
 }
 
 impl Sweep<'_> {
+    /// Before a merge writes anything: the shards read the same input files as this machine, and each holds every
+    /// one of its units, finished and readable.
+    fn check_parts(&self, all_units: &[UnitKey], identity: &Identity) -> Result<()> {
+        for part in self.parts {
+            if let Some((role, digest)) = identity.files.iter().find(|(role, d)| part.files.get(*role).map(|p| &p.sha256) != Some(&d.sha256)) {
+                bail!("{}: its {role} file is not {} as found here (other contents, or missing)", part.dir.display(), digest.path);
+            }
+            if let Some(role) = part.files.keys().find(|role| !identity.files.contains_key(*role)) {
+                bail!("{}: it read a {role} file this sweep does not", part.dir.display());
+            }
+            let expected = shard::units_of(self.plan, all_units, part.shard);
+            let journal = folder::journal(&part.dir, &expected)?;
+            let missing: Vec<String> = expected.iter().filter(|u| !journal.done.contains_key(u)).map(UnitKey::file_name).collect();
+            if !missing.is_empty() {
+                let why = journal.notes.iter().find(|n| n.starts_with("redoing")).map_or(String::new(), |n| format!("; {n}"));
+                bail!(
+                    "{} (shard {}) lacks {} of its {} units ({}{}){why}: finish it with sweep --resume --shard {}, then merge",
+                    part.dir.display(),
+                    part.shard,
+                    missing.len(),
+                    expected.len(),
+                    missing.iter().take(5).cloned().collect::<Vec<_>>().join(", "),
+                    if missing.len() > 5 { ", …" } else { "" },
+                    part.shard
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Run the units the folder lacks on `engine` with one draft per cell, then write the tables and the manifest.
     fn run<'t, T: crate::speculative::TargetModel>(&self, engine: &'t T, mut drafts: Vec<Box<dyn Draft<T> + 't>>, keeps: Vec<Option<KeepSet>>) -> Result<Outcome> {
         let (settings, out, options, plan, questions) = (self.settings, self.out, self.options, self.plan, self.questions);
@@ -238,19 +325,50 @@ impl Sweep<'_> {
         let identity = Identity { settings: settings_json.clone(), files };
 
         let all_units = plan.units(questions.len());
-        let (folder, journal) = Folder::open(out, &identity, options.mode, &all_units)?;
+        let units = match settings.shard {
+            Some(s) => shard::units_of(plan, &all_units, s),
+            None => all_units.clone(),
+        };
+        self.check_parts(&all_units, &identity)?;
+        let (folder, journal) = Folder::open(out, &identity, options.mode, &units)?;
         for note in &journal.notes {
             eprintln!("note: {note}");
         }
-        let done = journal.done;
-        let pending: Vec<UnitKey> = all_units.iter().filter(|k| !done.contains_key(k)).copied().collect();
+        let mut done = journal.done;
+        for part in self.parts {
+            done.extend(folder.adopt(&part.dir, &shard::units_of(plan, &all_units, part.shard))?);
+        }
+        let pending: Vec<UnitKey> = units.iter().filter(|k| !done.contains_key(k)).copied().collect();
         let turns = pending.iter().map(|k| plan.runs_per_unit(k)).sum();
-        let progress = Progress::new(options.quiet, all_units.len(), done.len(), turns);
+        let progress = Progress::new(options.quiet, units.len(), done.len(), turns);
         let mut observe = Observe { folder: &folder, progress, plan, questions, last_finished: Instant::now() };
         let tokenizer: &Tokenizer = &self.target.tokenizer;
         let mut engine = Engine { target: engine, tokenizer, drafts: &mut drafts, heads: &heads };
         crate::sweep::run(&mut engine, questions, plan, &pending, &mut observe)?;
         observe.progress.finish();
+        let merged_from = self.parts.iter().map(|p| p.dir.display().to_string()).collect();
+        let manifest = |wall_secs: f64| Manifest {
+            frspec: Manifest::frspec_version(),
+            git_commit: Manifest::git_commit(),
+            crates: manifest::crate_versions(),
+            command: options.command.clone(),
+            settings: &settings_json,
+            files: &identity.files,
+            hardware: Hardware::here(&settings.device, settings.engine, &settings.dtype),
+            batch: settings.batch,
+            wall_secs,
+            total_wall_secs: wall_secs + done.values().sum::<f64>(),
+            units_resumed: done.len(),
+            units_total: units.len(),
+            finished_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            merged_from,
+        };
+        if settings.shard.is_some() {
+            // A shard's tables would summarize part of the prompts; its journal waits for `frspec merge`.
+            let manifest = manifest(self.wall.elapsed().as_secs_f64());
+            crate::files::write_atomic(&out.join(Manifest::FILE), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
+            return Ok(Outcome { summary: Vec::new(), timings: Vec::new(), units_run: pending.len(), units_resumed: done.len() });
+        }
 
         let mut runs = folder.runs(&all_units)?;
         let index = |xs: &[f64], x: f64| xs.iter().position(|&y| y == x).expect("a plan value");
@@ -265,23 +383,7 @@ impl Sweep<'_> {
         let timings = summary::timings(plan, &kept, &head_ms, &runs);
         store::write_timing_summary(&out.join(store::TIMING_SUMMARY), &timings)?;
 
-        let wall_secs = self.wall.elapsed().as_secs_f64();
-        let resumed_secs: f64 = done.values().sum();
-        let manifest = Manifest {
-            frspec: Manifest::frspec_version(),
-            git_commit: Manifest::git_commit(),
-            crates: manifest::crate_versions(),
-            command: options.command.clone(),
-            settings: &settings_json,
-            files: &identity.files,
-            hardware: Hardware::here(&settings.device, settings.engine, &settings.dtype),
-            batch: settings.batch,
-            wall_secs,
-            total_wall_secs: wall_secs + resumed_secs,
-            units_resumed: done.len(),
-            units_total: all_units.len(),
-            finished_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-        };
+        let manifest = manifest(self.wall.elapsed().as_secs_f64());
         crate::files::write_atomic(&out.join(Manifest::FILE), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
         Ok(Outcome { summary, timings, units_run: pending.len(), units_resumed: done.len() })
     }
