@@ -19,9 +19,9 @@ fn main() {
 }
 
 /// What a sweep measured, its table, and where it went (a shard: only where; its table comes with the merge).
-fn print_sweep(settings: &frspec::spec::Settings, outcome: &frspec::commands::sweep::Outcome, out: &std::path::Path) {
+fn print_sweep(settings: &frspec::spec::Settings, outcome: &frspec::commands::sweep::Outcome, done: &str, out: &std::path::Path) {
     if let Some(shard) = settings.shard {
-        eprintln!("shard {shard}: {} units run, {} resumed → {} (join the shards with frspec merge)", outcome.units_run, outcome.units_resumed, out.display());
+        eprintln!("shard {shard}: {done} → {} (join the shards with frspec merge)", out.display());
         return;
     }
     let draft = settings.draft.as_deref().map_or(settings.draft_kind.to_string(), |d| format!("{} ({d})", settings.draft_kind));
@@ -38,7 +38,7 @@ fn print_sweep(settings: &frspec::spec::Settings, outcome: &frspec::commands::sw
     );
     println!("95% bootstrap intervals over prompts; t-intervals over repeats are in summary.parquet");
     print!("{}", frspec::outputs::report::table(&outcome.summary, &outcome.timings, false));
-    eprintln!("{} units run, {} resumed → {}", outcome.units_run, outcome.units_resumed, out.display());
+    eprintln!("{done} → {}", out.display());
 }
 
 /// An error is one line, whatever the library below wrote into its message (npyz draws a caret diagram).
@@ -100,12 +100,13 @@ fn run(cli: Cli) -> Result<()> {
             };
             let options = frspec::commands::sweep::Options { mode, quiet, command: std::env::args().collect() };
             let outcome = frspec::commands::sweep::execute(&settings, &out, &options)?;
-            print_sweep(&settings, &outcome, &out);
+            let done = format!("{} units run, {} resumed", outcome.units_run, outcome.units_resumed);
+            print_sweep(&settings, &outcome, &done, &out);
         }
         Command::Merge { out, shards } => {
             let options = frspec::commands::sweep::Options { mode: FolderMode::Fresh, quiet: true, command: std::env::args().collect() };
             let (settings, outcome) = frspec::commands::sweep::merge(&shards, &out, &options)?;
-            print_sweep(&settings, &outcome, &out);
+            print_sweep(&settings, &outcome, &format!("{} units joined from {} shards", outcome.units_resumed, shards.len()), &out);
         }
         Command::TrainEagle {
             target, out, corpus, format, prompts, templates, continuations, self_prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,
