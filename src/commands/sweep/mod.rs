@@ -276,8 +276,9 @@ struct Sweep<'a> {
 
 impl Sweep<'_> {
     /// Before a merge writes anything: the shards read the same input files as this machine, and each holds every
-    /// one of its units, finished and readable.
-    fn check_parts(&self, all_units: &[UnitKey], identity: &Identity) -> Result<()> {
+    /// one of its units, finished and readable. The units of each part, in its order.
+    fn check_parts(&self, all_units: &[UnitKey], identity: &Identity) -> Result<Vec<Vec<UnitKey>>> {
+        let mut units_of_parts = Vec::new();
         for part in self.parts {
             if let Some((role, digest)) = identity.files.iter().find(|(role, d)| part.files.get(*role).map(|p| &p.sha256) != Some(&d.sha256)) {
                 bail!("{}: its {role} file is not {} as found here (other contents, or missing)", part.dir.display(), digest.path);
@@ -301,8 +302,9 @@ impl Sweep<'_> {
                     part.shard
                 );
             }
+            units_of_parts.push(expected);
         }
-        Ok(())
+        Ok(units_of_parts)
     }
 
     /// Run the units the folder lacks on `engine` with one draft per cell, then write the tables and the manifest.
@@ -329,14 +331,14 @@ impl Sweep<'_> {
             Some(s) => shard::units_of(plan, &all_units, s),
             None => all_units.clone(),
         };
-        self.check_parts(&all_units, &identity)?;
+        let units_of_parts = self.check_parts(&all_units, &identity)?;
         let (folder, journal) = Folder::open(out, &identity, options.mode, &units)?;
         for note in &journal.notes {
             eprintln!("note: {note}");
         }
         let mut done = journal.done;
-        for part in self.parts {
-            done.extend(folder.adopt(&part.dir, &shard::units_of(plan, &all_units, part.shard))?);
+        for (part, part_units) in self.parts.iter().zip(&units_of_parts) {
+            done.extend(folder.adopt(&part.dir, part_units)?);
         }
         let pending: Vec<UnitKey> = units.iter().filter(|k| !done.contains_key(k)).copied().collect();
         let turns = pending.iter().map(|k| plan.runs_per_unit(k)).sum();
