@@ -2,6 +2,7 @@
 //!
 //! Both sources answer by canonical (GGUF-style) tensor names, so the model is built by one function.
 
+use crate::engine::cpu::kquants;
 use crate::engine::cpu::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, Matrix, Storage, QK};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -186,6 +187,17 @@ fn skip_value(r: &mut std::io::BufReader<&mut File>, kind: u64, count: usize, si
     }
 }
 
+/// One line per ggml type, the first time a model holds it, for types without a kernel of ours.
+fn note_f32_speed(dtype: GgmlDType) {
+    static NOTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let name = format!("{dtype:?}");
+    let mut noted = NOTED.lock().unwrap_or_else(|e| e.into_inner());
+    if !noted.contains(&name) {
+        eprintln!("note: {name} weights have no kernel in frspec's CPU engine: dequantized, they run at f32 speed and take 4 bytes a value");
+        noted.push(name);
+    }
+}
+
 fn byte_len(dtype: GgmlDType, elems: usize) -> usize {
     elems / dtype.block_size() * dtype.type_size()
 }
@@ -226,11 +238,22 @@ impl WeightSource for Gguf {
                     .map(|c| BlockQ8_0 { d: f16_at(c, 0), qs: std::array::from_fn(|i| c[2 + i] as i8) })
                     .collect(),
             ),
+            GgmlDType::Q4K => Storage::Q4K(kquants::parse(&bytes)),
+            GgmlDType::Q5K => Storage::Q5K(kquants::parse(&bytes)),
+            GgmlDType::Q6K => Storage::Q6K(kquants::parse(&bytes)),
             // Other ggml types have no kernel of ours: dequantize once with candle and run them as f32.
-            _ => Storage::F32(self.vector(name)?),
+            other => {
+                note_f32_speed(other);
+                Storage::F32(self.vector(name)?)
+            }
         };
-        if matches!(storage, Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_)) && cols % QK != 0 {
-            bail!("{}: tensor {name} has {cols} columns, not a multiple of the block size {QK}", self.path.display());
+        let block = match storage {
+            Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_) => QK,
+            Storage::Q4K(_) | Storage::Q5K(_) | Storage::Q6K(_) => kquants::QK_K,
+            Storage::F32(_) | Storage::F16(_) => 1,
+        };
+        if cols % block != 0 {
+            bail!("{}: tensor {name} has {cols} columns, not a multiple of the block size {block}", self.path.display());
         }
         Ok(Matrix { rows, cols, storage })
     }

@@ -8,6 +8,7 @@
 //! in the same order, whatever the batch size or thread count; activations stay f32, so results follow an f32
 //! reference that dequantizes the weights.
 
+use super::kquants::{self, BlockQ4K, BlockQ5K, BlockQ6K, SuperBlock, QK_K, SUBS};
 use half::f16;
 use rayon::prelude::*;
 
@@ -19,6 +20,9 @@ pub enum Storage {
     Q4_0(Vec<BlockQ4_0>),
     Q4_1(Vec<BlockQ4_1>),
     Q8_0(Vec<BlockQ8_0>),
+    Q4K(Vec<BlockQ4K>),
+    Q5K(Vec<BlockQ5K>),
+    Q6K(Vec<BlockQ6K>),
 }
 
 pub const QK: usize = 32;
@@ -61,6 +65,9 @@ impl Matrix {
             Storage::Q4_0(_) => "q4_0",
             Storage::Q4_1(_) => "q4_1",
             Storage::Q8_0(_) => "q8_0",
+            Storage::Q4K(_) => "q4_k",
+            Storage::Q5K(_) => "q5_k",
+            Storage::Q6K(_) => "q6_k",
         }
     }
 
@@ -72,6 +79,9 @@ impl Matrix {
             Storage::Q4_0(v) => v.len() * std::mem::size_of::<BlockQ4_0>(),
             Storage::Q4_1(v) => v.len() * std::mem::size_of::<BlockQ4_1>(),
             Storage::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
+            Storage::Q4K(v) => v.len() * std::mem::size_of::<BlockQ4K>(),
+            Storage::Q5K(v) => v.len() * std::mem::size_of::<BlockQ5K>(),
+            Storage::Q6K(v) => v.len() * std::mem::size_of::<BlockQ6K>(),
         }
     }
 
@@ -79,9 +89,14 @@ impl Matrix {
         self.cols / QK
     }
 
+    /// Super-blocks of 256 per row (K-quants).
+    fn superblocks_per_row(&self) -> usize {
+        self.cols / QK_K
+    }
+
     /// Row `r` dequantized into `out` (embedding lookup).
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
-        let (c, nb) = (self.cols, self.blocks_per_row());
+        let (c, nb, nk) = (self.cols, self.blocks_per_row(), self.superblocks_per_row());
         match &self.storage {
             Storage::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
             Storage::F16(v) => out.iter_mut().zip(&v[r * c..(r + 1) * c]).for_each(|(o, w)| *o = w.to_f32()),
@@ -109,6 +124,9 @@ impl Matrix {
                     o.iter_mut().zip(b.qs).for_each(|(o, q)| *o = d * q as f32);
                 }
             }
+            Storage::Q4K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
+            Storage::Q5K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
+            Storage::Q6K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
         }
     }
 
@@ -117,13 +135,16 @@ impl Matrix {
         fn gather<T: Copy>(v: &[T], per_row: usize, ids: &[u32]) -> Vec<T> {
             ids.iter().flat_map(|&r| &v[r as usize * per_row..(r as usize + 1) * per_row]).copied().collect()
         }
-        let (c, nb) = (self.cols, self.blocks_per_row());
+        let (c, nb, nk) = (self.cols, self.blocks_per_row(), self.superblocks_per_row());
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(gather(v, c, ids)),
             Storage::F16(v) => Storage::F16(gather(v, c, ids)),
             Storage::Q4_0(v) => Storage::Q4_0(gather(v, nb, ids)),
             Storage::Q4_1(v) => Storage::Q4_1(gather(v, nb, ids)),
             Storage::Q8_0(v) => Storage::Q8_0(gather(v, nb, ids)),
+            Storage::Q4K(v) => Storage::Q4K(gather(v, nk, ids)),
+            Storage::Q5K(v) => Storage::Q5K(gather(v, nk, ids)),
+            Storage::Q6K(v) => Storage::Q6K(gather(v, nk, ids)),
         };
         Matrix { rows: ids.len(), cols: self.cols, storage }
     }
@@ -141,7 +162,7 @@ impl Matrix {
         debug_assert_eq!(x.len(), n * self.cols);
         debug_assert_eq!(out.len(), n * self.rows);
         scratch.block_sums.clear();
-        if let Storage::Q4_1(_) = self.storage {
+        if let Storage::Q4_1(_) | Storage::Q4K(_) | Storage::Q5K(_) = self.storage {
             scratch.block_sums.extend(x.chunks_exact(QK).map(|c| c.iter().sum::<f32>()));
         }
         let sums = &scratch.block_sums;
@@ -185,7 +206,7 @@ impl Matrix {
     /// Dots of row `r` with each of the `out.len()` (≤ GROUP) activation rows in `x`.
     #[inline]
     fn row_dots(&self, kernel: Kernel, r: usize, x: &[f32], block_sums: &[f32], out: &mut [f32]) {
-        let (c, nb) = (self.cols, self.blocks_per_row());
+        let (c, nb, nk) = (self.cols, self.blocks_per_row(), self.superblocks_per_row());
         macro_rules! group {
             ($f:ident, $w:expr) => {
                 match out.len() {
@@ -206,6 +227,9 @@ impl Matrix {
             Storage::Q4_0(v) => group!(dots_q4_0, &v[r * nb..(r + 1) * nb]),
             Storage::Q4_1(v) => group!(dots_q4_1, &v[r * nb..(r + 1) * nb]),
             Storage::Q8_0(v) => group!(dots_q8_0, &v[r * nb..(r + 1) * nb]),
+            Storage::Q4K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk]),
+            Storage::Q5K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk]),
+            Storage::Q6K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk]),
         }
     }
 }
@@ -378,6 +402,34 @@ fn dots_q8_0<const N: usize>(kernel: Kernel, w: &[BlockQ8_0], x: &[f32], _: &[f3
     })
 }
 
+/// K-quant rows: per sub-block of 32, scale · Σ v x + offset · Σ x (Σ x from `block_sums`, computed once per
+/// activation row, as for Q4_1).
+fn dots_k<const N: usize>(kernel: Kernel, w: &[impl SuperBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 {
+        // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2.
+        return unsafe { avx512::dots_k::<N>(w, x, block_sums) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: as above.
+        return unsafe { avx2::dots_k::<N>(w, x, block_sums) };
+    }
+    let _ = kernel;
+    let (cols, subs) = (w.len() * QK_K, w.len() * SUBS);
+    std::array::from_fn(|j| {
+        (0..subs)
+            .map(|i| {
+                let (v, scale, offset) = w[i / SUBS].sub_block(i % SUBS);
+                let xs = &x[j * cols + i * QK..j * cols + (i + 1) * QK];
+                let vx: f32 = v.iter().zip(xs).map(|(v, x)| v * x).sum();
+                let sum = if offset != 0.0 { offset * block_sums[j * subs + i] } else { 0.0 };
+                scale * vx + sum
+            })
+            .sum()
+    })
+}
+
 /// Eight-lane accumulation in the scalar fallback, so it degrades gracefully on long rows.
 fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
     let mut lanes = [0f32; 8];
@@ -389,7 +441,7 @@ fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, SuperBlock, QK, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -489,17 +541,17 @@ mod avx2 {
     /// activation row j, acc_j += scale · Σ q x and off_j += offset · Σ x (`block_sums`, Q4_1 only).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_blocks<const N: usize, B>(
-        w: &[B],
+    unsafe fn dots_blocks<const N: usize>(
+        nb: usize,
         x: &[f32],
         block_sums: &[f32],
-        unpack: impl Fn(&B) -> ([__m256; 4], f32, f32),
+        unpack: impl Fn(usize) -> ([__m256; 4], f32, f32),
     ) -> [f32; N] {
-        let (nb, cols) = (w.len(), w.len() * QK);
+        let cols = nb * QK;
         let mut acc = [_mm256_setzero_ps(); N];
         let mut off = [0f32; N];
-        for (i, b) in w.iter().enumerate() {
-            let (q, d, m) = unpack(b);
+        for i in 0..nb {
+            let (q, d, m) = unpack(i);
             let d = _mm256_set1_ps(d);
             for (j, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(d, block_qx(&q, x.as_ptr().add(j * cols + i * QK)), *a);
@@ -516,23 +568,32 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_q4_0<const N: usize>(w: &[BlockQ4_0], x: &[f32]) -> [f32; N] {
         let eight = _mm256_set1_ps(8.0);
-        dots_blocks::<N, _>(w, x, &[], |b| (nibbles(&b.qs).map(|v| _mm256_sub_ps(v, eight)), to_f32(b.d), 0.0))
+        dots_blocks::<N>(w.len(), x, &[], |i| (nibbles(&w[i].qs).map(|v| _mm256_sub_ps(v, eight)), to_f32(w[i].d), 0.0))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_q4_1<const N: usize>(w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        dots_blocks::<N, _>(w, x, block_sums, |b| (nibbles(&b.qs), to_f32(b.d), to_f32(b.m)))
+        dots_blocks::<N>(w.len(), x, block_sums, |i| (nibbles(&w[i].qs), to_f32(w[i].d), to_f32(w[i].m)))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_q8_0<const N: usize>(w: &[BlockQ8_0], x: &[f32]) -> [f32; N] {
-        dots_blocks::<N, _>(w, x, &[], |b| (bytes(&b.qs), to_f32(b.d), 0.0))
+        dots_blocks::<N>(w.len(), x, &[], |i| (bytes(&w[i].qs), to_f32(w[i].d), 0.0))
+    }
+
+    /// K-quant sub-blocks unpacked in scalar code, then multiplied as any other block of 32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_k<const N: usize>(w: &[impl SuperBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+        dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| {
+            let (v, scale, offset) = w[i / SUBS].sub_block(i % SUBS);
+            (std::array::from_fn(|k| _mm256_loadu_ps(v.as_ptr().add(8 * k))), scale, offset)
+        })
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, SuperBlock, QK, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -563,17 +624,17 @@ mod avx512 {
     /// Block-quantized rows, as `avx2::dots_blocks` with 16 lanes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn dots_blocks<const N: usize, B>(
-        w: &[B],
+    unsafe fn dots_blocks<const N: usize>(
+        nb: usize,
         x: &[f32],
         block_sums: &[f32],
-        unpack: impl Fn(&B) -> ([__m512; 2], f32, f32),
+        unpack: impl Fn(usize) -> ([__m512; 2], f32, f32),
     ) -> [f32; N] {
-        let (nb, cols) = (w.len(), w.len() * QK);
+        let cols = nb * QK;
         let mut acc = [_mm512_setzero_ps(); N];
         let mut off = [0f32; N];
-        for (i, b) in w.iter().enumerate() {
-            let (q, d, m) = unpack(b);
+        for i in 0..nb {
+            let (q, d, m) = unpack(i);
             let d = _mm512_set1_ps(d);
             for (j, a) in acc.iter_mut().enumerate() {
                 let xp = x.as_ptr().add(j * cols + i * QK);
@@ -592,17 +653,25 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn dots_q4_0<const N: usize>(w: &[BlockQ4_0], x: &[f32]) -> [f32; N] {
         let eight = _mm512_set1_ps(8.0);
-        dots_blocks::<N, _>(w, x, &[], |b| (nibbles(&b.qs).map(|v| _mm512_sub_ps(v, eight)), to_f32(b.d), 0.0))
+        dots_blocks::<N>(w.len(), x, &[], |i| (nibbles(&w[i].qs).map(|v| _mm512_sub_ps(v, eight)), to_f32(w[i].d), 0.0))
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn dots_q4_1<const N: usize>(w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        dots_blocks::<N, _>(w, x, block_sums, |b| (nibbles(&b.qs), to_f32(b.d), to_f32(b.m)))
+        dots_blocks::<N>(w.len(), x, block_sums, |i| (nibbles(&w[i].qs), to_f32(w[i].d), to_f32(w[i].m)))
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn dots_q8_0<const N: usize>(w: &[BlockQ8_0], x: &[f32]) -> [f32; N] {
-        dots_blocks::<N, _>(w, x, &[], |b| (bytes(&b.qs), to_f32(b.d), 0.0))
+        dots_blocks::<N>(w.len(), x, &[], |i| (bytes(&w[i].qs), to_f32(w[i].d), 0.0))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub unsafe fn dots_k<const N: usize>(w: &[impl SuperBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+        dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| {
+            let (v, scale, offset) = w[i / SUBS].sub_block(i % SUBS);
+            (std::array::from_fn(|k| _mm512_loadu_ps(v.as_ptr().add(16 * k))), scale, offset)
+        })
     }
 }
 
@@ -671,6 +740,56 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// `w` quantized by candle (ggml's reference quantizer, ported) into `dtype`, and candle's dequantization of it.
+    fn candle_quantized(w: &[f32], rows: usize, cols: usize, dtype: candle_core::quantized::GgmlDType) -> (Matrix, Vec<f32>) {
+        let t = candle_core::Tensor::from_slice(w, (rows, cols), &candle_core::Device::Cpu).unwrap();
+        let q = candle_core::quantized::QTensor::quantize(&t, dtype).unwrap();
+        let reference = q.dequantize(&candle_core::Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let bytes = q.data().unwrap();
+        let storage = match dtype {
+            candle_core::quantized::GgmlDType::Q4K => Storage::Q4K(kquants::parse(&bytes)),
+            candle_core::quantized::GgmlDType::Q5K => Storage::Q5K(kquants::parse(&bytes)),
+            _ => Storage::Q6K(kquants::parse(&bytes)),
+        };
+        (Matrix { rows, cols, storage }, reference)
+    }
+
+    #[test]
+    fn k_quant_kernels_match_candles_dequantization_and_a_block_equals_its_rows() {
+        use candle_core::quantized::GgmlDType;
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let (rows, cols, n) = (20, 512, 9);
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0) * rng.random_range(0.0f32..0.1)).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut scratch = MatmulScratch::default();
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+            let (m, reference) = candle_quantized(&w, rows, cols, dtype);
+            // The layout is read as ggml writes it: our dequantization is candle's, up to f32 rounding.
+            let ours = dense(&m);
+            let worst = ours.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-6, "{}: dequantized values differ from candle's by {worst}", m.dtype_name());
+            for kernel in Kernel::available() {
+                let mut block = vec![0.0; n * rows];
+                m.matmul_with(kernel, &x, &mut block, &mut scratch);
+                for b in 0..n {
+                    let xb = &x[b * cols..(b + 1) * cols];
+                    let mut single = vec![0.0; rows];
+                    m.matmul_with(kernel, xb, &mut single, &mut scratch);
+                    assert_eq!(&block[b * rows..(b + 1) * rows], &single[..], "{} {kernel:?}: block row {b} differs", m.dtype_name());
+                    for r in 0..rows {
+                        let exact: f64 = (0..cols).map(|c| reference[r * cols + c] as f64 * xb[c] as f64).sum();
+                        let scale: f64 = (0..cols).map(|c| (reference[r * cols + c] as f64 * xb[c] as f64).abs()).sum();
+                        let got = single[r] as f64;
+                        assert!((got - exact).abs() <= 1e-5 * scale, "{} {kernel:?} row {r}: {got} vs {exact} (scale {scale})", m.dtype_name());
+                    }
+                }
+            }
+            // The sliced head keeps K-quant rows as they are.
+            let picked = m.select_rows(&[3, 17]);
+            assert_eq!(dense(&picked), [&ours[3 * cols..4 * cols], &ours[17 * cols..18 * cols]].concat());
         }
     }
 
