@@ -162,8 +162,9 @@ pub fn head(r: &Head) -> Result<()> {
     }
     // `ran_on` ends the plot's title: where and through what the products ran.
     let (roof, points, ran_on) = if device == "cpu" {
-        if hidden % 32 != 0 {
-            bail!("--hidden must be a multiple of 32 (the CPU kernels' block size), got {hidden}");
+        let block = if dtype.ends_with("_k") { 256 } else { 32 };
+        if hidden % block != 0 {
+            bail!("--hidden must be a multiple of {block} (the block size of {dtype} rows), got {hidden}");
         }
         let roof = crate::bench::roofline()?;
         let threads = crate::engine::cpu::tensor::pool().current_num_threads();

@@ -1,9 +1,9 @@
 //! ggml's K-quant super-blocks (Q4_K, Q5_K, Q6_K: what Q4_K_M files hold), kept in their GGUF layout.
 //!
 //! The kernels see a super-block of 256 values as eight sub-blocks of 32, each `value = scale · v + offset` with `v`
-//! an integer-valued f32 (the 6- or 8-bit sub-scale already multiplied in: |v| ≤ 32 · 128, exact in f32) and one
-//! scale and offset per sub-block, so the existing per-32 machinery (`dots_blocks`, the activation sums behind
-//! offsets) serves them unchanged.
+//! integer-valued f32s and one scale and offset per sub-block, so the existing per-32 machinery (`dots_blocks`, the
+//! activation sums behind offsets) serves them unchanged. Q4_K and Q5_K: v = q, scale = d · sc, offset = −dmin · m,
+//! as ggml dequantizes them; Q6_K, whose sub-scales cover 16 values: v = sc · (q − 32) (|v| ≤ 4096, exact), scale = d.
 
 use half::f16;
 
@@ -47,7 +47,7 @@ pub struct BlockQ6K {
 }
 
 /// The 6-bit scale and min of sub-block `j`, packed in 12 bytes as ggml's `get_scale_min_k4` reads them.
-fn scale_min(j: usize, q: &[u8; 12]) -> (f32, f32) {
+pub fn scale_min(j: usize, q: &[u8; 12]) -> (f32, f32) {
     if j < 4 {
         ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
     } else {
@@ -61,7 +61,7 @@ impl SuperBlock for BlockQ4K {
         let (sc, m) = scale_min(s, &self.scales);
         let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
         let shift = 4 * (s % 2);
-        (std::array::from_fn(|l| sc * ((bytes[l] >> shift) & 0x0f) as f32), self.d.to_f32(), -self.dmin.to_f32() * m)
+        (std::array::from_fn(|l| ((bytes[l] >> shift) & 0x0f) as f32), self.d.to_f32() * sc, -self.dmin.to_f32() * m)
     }
 }
 
@@ -71,8 +71,8 @@ impl SuperBlock for BlockQ5K {
         let (sc, m) = scale_min(s, &self.scales);
         let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
         let shift = 4 * (s % 2);
-        let v = std::array::from_fn(|l| sc * (((bytes[l] >> shift) & 0x0f) | (((self.qh[l] >> s) & 1) << 4)) as f32);
-        (v, self.d.to_f32(), -self.dmin.to_f32() * m)
+        let v = std::array::from_fn(|l| (((bytes[l] >> shift) & 0x0f) | (((self.qh[l] >> s) & 1) << 4)) as f32);
+        (v, self.d.to_f32() * sc, -self.dmin.to_f32() * m)
     }
 }
 

@@ -402,9 +402,19 @@ fn dots_q8_0<const N: usize>(kernel: Kernel, w: &[BlockQ8_0], x: &[f32], _: &[f3
     })
 }
 
+/// A K-quant super-block with its vector unpacking where the architecture has one.
+#[cfg(target_arch = "x86_64")]
+trait KBlock: avx2::Unpack {}
+#[cfg(target_arch = "x86_64")]
+impl<B: avx2::Unpack> KBlock for B {}
+#[cfg(not(target_arch = "x86_64"))]
+trait KBlock: SuperBlock {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<B: SuperBlock> KBlock for B {}
+
 /// K-quant rows: per sub-block of 32, scale · Σ v x + offset · Σ x (Σ x from `block_sums`, computed once per
 /// activation row, as for Q4_1).
-fn dots_k<const N: usize>(kernel: Kernel, w: &[impl SuperBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+fn dots_k<const N: usize>(kernel: Kernel, w: &[impl KBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Avx512 {
         // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2.
@@ -441,7 +451,8 @@ fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, SuperBlock, QK, SUBS};
+    use super::kquants::scale_min;
+    use super::{BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8_0, SuperBlock, QK, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -581,19 +592,84 @@ mod avx2 {
         dots_blocks::<N>(w.len(), x, &[], |i| (bytes(&w[i].qs), to_f32(w[i].d), 0.0))
     }
 
-    /// K-quant sub-blocks unpacked in scalar code, then multiplied as any other block of 32.
+    /// K-quant sub-blocks unpacked with vector instructions (the same values `SuperBlock::sub_block` gives), then
+    /// multiplied as any other block of 32.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_k<const N: usize>(w: &[impl SuperBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| {
-            let (v, scale, offset) = w[i / SUBS].sub_block(i % SUBS);
-            (std::array::from_fn(|k| _mm256_loadu_ps(v.as_ptr().add(8 * k))), scale, offset)
-        })
+    pub unsafe fn dots_k<const N: usize>(w: &[impl Unpack], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+        dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| w[i / SUBS].unpack(i % SUBS))
+    }
+
+    /// Sub-block `s` of a K-quant super-block as four vectors of 8 f32, its scale and its offset.
+    pub trait Unpack: SuperBlock {
+        /// # Safety
+        /// Only on a CPU with avx2, fma and f16c.
+        unsafe fn unpack(&self, s: usize) -> ([__m256; 4], f32, f32);
+    }
+
+    /// 32 bytes as four vectors of 8 f32, in order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn widen(v: __m256i) -> [__m256; 4] {
+        let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let f = |b: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+        [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
+    }
+
+    /// The low (`high` false) or high nibbles of 32 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn nibbles32(p: *const u8, high: bool) -> __m256i {
+        let raw = _mm256_loadu_si256(p as *const __m256i);
+        let raw = if high { _mm256_srli_epi16(raw, 4) } else { raw };
+        _mm256_and_si256(raw, _mm256_set1_epi8(0x0f))
+    }
+
+    impl Unpack for BlockQ4K {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn unpack(&self, s: usize) -> ([__m256; 4], f32, f32) {
+            let (sc, m) = scale_min(s, &self.scales);
+            (widen(nibbles32(self.qs.as_ptr().add(32 * (s / 2)), s % 2 == 1)), to_f32(self.d) * sc, -to_f32(self.dmin) * m)
+        }
+    }
+
+    impl Unpack for BlockQ5K {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn unpack(&self, s: usize) -> ([__m256; 4], f32, f32) {
+            let (sc, m) = scale_min(s, &self.scales);
+            let q = nibbles32(self.qs.as_ptr().add(32 * (s / 2)), s % 2 == 1);
+            // Bit s of each qh byte is that value's fifth bit: 16 where set.
+            let bit = _mm256_set1_epi8((1u8 << s) as i8);
+            let qh = _mm256_loadu_si256(self.qh.as_ptr() as *const __m256i);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+            let q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+            (widen(q), to_f32(self.d) * sc, -to_f32(self.dmin) * m)
+        }
+    }
+
+    impl Unpack for BlockQ6K {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn unpack(&self, s: usize) -> ([__m256; 4], f32, f32) {
+            let (h, k) = (s / 4, s % 4);
+            let low = nibbles32(self.ql.as_ptr().add(64 * h + 32 * (k % 2)), k >= 2);
+            let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * h) as *const __m256i);
+            // Two bits at 2k of each qh byte, moved to bits 4-5 (masked first, so no bit crosses into the next byte).
+            let two = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)), _mm256_set1_epi8(3));
+            let q = widen(_mm256_or_si256(low, _mm256_slli_epi16(two, 4)));
+            let thirty_two = _mm256_set1_ps(32.0);
+            let sc = |i: usize| _mm256_set1_ps(self.scales[8 * h + 2 * k + i] as f32);
+            let v = [0, 1, 2, 3].map(|i| _mm256_mul_ps(sc(i / 2), _mm256_sub_ps(q[i], thirty_two)));
+            (v, to_f32(self.d), 0.0)
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, SuperBlock, QK, SUBS};
+    use super::avx2::Unpack;
+    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -666,11 +742,13 @@ mod avx512 {
         dots_blocks::<N>(w.len(), x, &[], |i| (bytes(&w[i].qs), to_f32(w[i].d), 0.0))
     }
 
+    /// The AVX2 unpacking, its four 8-lane vectors joined in pairs.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn dots_k<const N: usize>(w: &[impl SuperBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+    pub unsafe fn dots_k<const N: usize>(w: &[impl Unpack], x: &[f32], block_sums: &[f32]) -> [f32; N] {
+        let join = |a: __m256, b: __m256| _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
         dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| {
-            let (v, scale, offset) = w[i / SUBS].sub_block(i % SUBS);
-            (std::array::from_fn(|k| _mm512_loadu_ps(v.as_ptr().add(16 * k))), scale, offset)
+            let (v, scale, offset) = w[i / SUBS].unpack(i % SUBS);
+            ([join(v[0], v[1]), join(v[2], v[3])], scale, offset)
         })
     }
 }
