@@ -21,8 +21,16 @@ fn head_benchmark_writes_every_keep_size_and_batch() {
     assert_eq!(flops[1], 2.0 * 4.0 * 64.0 * 1000.0);
     assert!(dir.path().join("head_latency.png").exists() && dir.path().join("head_latency.svg").exists());
 
-    for (flag, value, expect) in [("--dtype", "bf16", "f32 or f16"), ("--hidden", "0", "at least 1"), ("--device", "cuda:0", "without CUDA")] {
-        let out = frspec().args(["bench", "head", "--vocab", "1000", "--batch", "1", flag, value]).output().unwrap();
+    // Every block-quantized type the CPU kernels run, K-quants on rows of whole 256-value super-blocks.
+    for dtype in ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"] {
+        let out = frspec().args(["bench", "head", "--hidden", "256", "--vocab", "64", "--batch", "1,5", "--ratios", "0", "--dtype", dtype]).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains(&format!("{dtype} weights")), "{dtype}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let hidden = ["--hidden", "96", "--dtype", "q4_k"];
+    for (flag, value, expect) in [("--dtype", "bf16", "q5_k or q6_k"), ("--hidden", "0", "at least 1"), ("--device", "cuda:0", "without CUDA"), (hidden[0], hidden[1], "multiple of 256")] {
+        let extra: &[&str] = if value == "96" { &hidden[2..] } else { &[] };
+        let out = frspec().args(["bench", "head", "--vocab", "1000", "--batch", "1", flag, value]).args(extra).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.code() == Some(1) && err.contains(expect), "{flag} {value}: {err}");
     }
