@@ -305,6 +305,20 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dots_f32::<1>(Kernel::detect(), a, b, &[])[0]
 }
 
+/// Returns the AVX-512 or AVX2 version of a block kernel when the process runs one.
+macro_rules! vectorized {
+    ($kernel:expr, $f:ident($($arg:expr),*)) => {
+        #[cfg(target_arch = "x86_64")]
+        match $kernel {
+            // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2, fma and
+            // f16c, Kernel::Avx2 when it reports avx2, fma and f16c (`Kernel::available`).
+            Kernel::Avx512 => return unsafe { avx512::$f::<N>($($arg),*) },
+            Kernel::Avx2 => return unsafe { avx2::$f::<N>($($arg),*) },
+            Kernel::Scalar => {}
+        }
+    };
+}
+
 // Each `dots_*::<N>` computes N dot products of one weight row with N consecutive activation rows of `x`.
 // Output j depends only on the row and x[j], through the same operations for every N.
 
@@ -329,16 +343,7 @@ fn dots_f16<const N: usize>(kernel: Kernel, w: &[f16], x: &[f32], _: &[f32]) -> 
 }
 
 fn dots_q4_0<const N: usize>(kernel: Kernel, w: &[BlockQ4_0], x: &[f32], _: &[f32]) -> [f32; N] {
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512 {
-        // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2.
-        return unsafe { avx512::dots_q4_0::<N>(w, x) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx2 {
-        // SAFETY: as above.
-        return unsafe { avx2::dots_q4_0::<N>(w, x) };
-    }
+    vectorized!(kernel, dots_q4_0(w, x));
     let _ = kernel;
     let cols = w.len() * QK;
     std::array::from_fn(|j| {
@@ -355,16 +360,7 @@ fn dots_q4_0<const N: usize>(kernel: Kernel, w: &[BlockQ4_0], x: &[f32], _: &[f3
 }
 
 fn dots_q4_1<const N: usize>(kernel: Kernel, w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512 {
-        // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2.
-        return unsafe { avx512::dots_q4_1::<N>(w, x, block_sums) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx2 {
-        // SAFETY: as above.
-        return unsafe { avx2::dots_q4_1::<N>(w, x, block_sums) };
-    }
+    vectorized!(kernel, dots_q4_1(w, x, block_sums));
     let _ = kernel;
     let cols = w.len() * QK;
     // Σ (d q + m) x = d Σ q x + m Σ x, with Σ x per block computed once per activation row.
@@ -382,16 +378,7 @@ fn dots_q4_1<const N: usize>(kernel: Kernel, w: &[BlockQ4_1], x: &[f32], block_s
 }
 
 fn dots_q8_0<const N: usize>(kernel: Kernel, w: &[BlockQ8_0], x: &[f32], _: &[f32]) -> [f32; N] {
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512 {
-        // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2.
-        return unsafe { avx512::dots_q8_0::<N>(w, x) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx2 {
-        // SAFETY: as above.
-        return unsafe { avx2::dots_q8_0::<N>(w, x) };
-    }
+    vectorized!(kernel, dots_q8_0(w, x));
     let _ = kernel;
     let cols = w.len() * QK;
     std::array::from_fn(|j| {
@@ -415,16 +402,7 @@ impl<B: SuperBlock> KBlock for B {}
 /// K-quant rows: per sub-block of 32, scale · Σ v x + offset · Σ x (Σ x from `block_sums`, computed once per
 /// activation row, as for Q4_1).
 fn dots_k<const N: usize>(kernel: Kernel, w: &[impl KBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512 {
-        // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2.
-        return unsafe { avx512::dots_k::<N>(w, x, block_sums) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx2 {
-        // SAFETY: as above.
-        return unsafe { avx2::dots_k::<N>(w, x, block_sums) };
-    }
+    vectorized!(kernel, dots_k(w, x, block_sums));
     let _ = kernel;
     let (cols, subs) = (w.len() * QK_K, w.len() * SUBS);
     std::array::from_fn(|j| {
