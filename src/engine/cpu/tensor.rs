@@ -778,22 +778,30 @@ mod tests {
         let (rows, cols, n) = (70, 96, 9);
         let q41 = random_q4_1(rows, cols, &mut rng);
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let mut scratch = MatmulScratch::default();
         for m in all_storages(&q41, &mut rng) {
-            let w = dense(&m);
-            for kernel in Kernel::available() {
-                let mut block = vec![0.0; n * rows];
-                m.matmul_with(kernel, &x, &mut block, &mut scratch);
-                for b in 0..n {
-                    let xb = &x[b * cols..(b + 1) * cols];
-                    let mut single = vec![0.0; rows];
-                    m.matmul_with(kernel, xb, &mut single, &mut scratch);
-                    assert_eq!(&block[b * rows..(b + 1) * rows], &single[..], "{} {kernel:?}: block row {b} differs", m.dtype_name());
-                    for r in 0..rows {
-                        let reference: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * xb[c] as f64).sum();
-                        let got = single[r] as f64;
-                        assert!((got - reference).abs() < 1e-4, "{} {kernel:?} row {r}: {got} vs {reference}", m.dtype_name());
-                    }
+            kernels_agree(&m, &dense(&m), &x, |_| 1e-4);
+        }
+    }
+
+    /// Every kernel's product of `m` with each row of `x`: a block of rows equals the rows one by one, bit for bit,
+    /// and each value lies within `tolerance(Σ |w x|)` of the exact product of `reference` (m's values).
+    fn kernels_agree(m: &Matrix, reference: &[f32], x: &[f32], tolerance: impl Fn(f64) -> f64) {
+        let (rows, cols) = (m.rows, m.cols);
+        let n = x.len() / cols;
+        let mut scratch = MatmulScratch::default();
+        for kernel in Kernel::available() {
+            let mut block = vec![0.0; n * rows];
+            m.matmul_with(kernel, x, &mut block, &mut scratch);
+            for b in 0..n {
+                let xb = &x[b * cols..(b + 1) * cols];
+                let mut single = vec![0.0; rows];
+                m.matmul_with(kernel, xb, &mut single, &mut scratch);
+                assert_eq!(&block[b * rows..(b + 1) * rows], &single[..], "{} {kernel:?}: block row {b} differs", m.dtype_name());
+                for r in 0..rows {
+                    let terms = || (0..cols).map(|c| reference[r * cols + c] as f64 * xb[c] as f64);
+                    let (exact, scale) = (terms().sum::<f64>(), terms().map(f64::abs).sum::<f64>());
+                    let got = single[r] as f64;
+                    assert!((got - exact).abs() <= tolerance(scale), "{} {kernel:?} row {r}: {got} vs {exact}", m.dtype_name());
                 }
             }
         }
@@ -820,29 +828,13 @@ mod tests {
         let (rows, cols, n) = (20, 512, 9);
         let w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0) * rng.random_range(0.0f32..0.1)).collect();
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let mut scratch = MatmulScratch::default();
         for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
             let (m, reference) = candle_quantized(&w, rows, cols, dtype);
             // The layout is read as ggml writes it: our dequantization is candle's, up to f32 rounding.
             let ours = dense(&m);
             let worst = ours.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst < 1e-6, "{}: dequantized values differ from candle's by {worst}", m.dtype_name());
-            for kernel in Kernel::available() {
-                let mut block = vec![0.0; n * rows];
-                m.matmul_with(kernel, &x, &mut block, &mut scratch);
-                for b in 0..n {
-                    let xb = &x[b * cols..(b + 1) * cols];
-                    let mut single = vec![0.0; rows];
-                    m.matmul_with(kernel, xb, &mut single, &mut scratch);
-                    assert_eq!(&block[b * rows..(b + 1) * rows], &single[..], "{} {kernel:?}: block row {b} differs", m.dtype_name());
-                    for r in 0..rows {
-                        let exact: f64 = (0..cols).map(|c| reference[r * cols + c] as f64 * xb[c] as f64).sum();
-                        let scale: f64 = (0..cols).map(|c| (reference[r * cols + c] as f64 * xb[c] as f64).abs()).sum();
-                        let got = single[r] as f64;
-                        assert!((got - exact).abs() <= 1e-5 * scale, "{} {kernel:?} row {r}: {got} vs {exact} (scale {scale})", m.dtype_name());
-                    }
-                }
-            }
+            kernels_agree(&m, &reference, &x, |scale| 1e-5 * scale);
             // The sliced head keeps K-quant rows as they are.
             let picked = m.select_rows(&[3, 17]);
             assert_eq!(dense(&picked), [&ours[3 * cols..4 * cols], &ours[17 * cols..18 * cols]].concat());
