@@ -317,10 +317,10 @@ fn load_npy(path: &Path) -> Result<Frequencies> {
     }
     let values: Vec<f64> = match npy.dtype() {
         npyz::DType::Plain(t) if t.type_char() == npyz::TypeChar::Float && t.size_field() == 4 => {
-            npy.into_vec::<f32>().map_err(|e| anyhow!("{}: {e}", path.display()))?.into_iter().map(f64::from).collect()
+            npy.into_vec::<f32>()?.into_iter().map(f64::from).collect()
         }
         npyz::DType::Plain(t) if t.type_char() == npyz::TypeChar::Float && t.size_field() == 8 => {
-            npy.into_vec::<f64>().map_err(|e| anyhow!("{}: {e}", path.display()))?
+            npy.into_vec::<f64>()?
         }
         npyz::DType::Plain(t) if matches!(t.type_char(), npyz::TypeChar::Int | npyz::TypeChar::Uint) => {
             npy.into_vec::<i64>().map_err(|e| anyhow!("{}: {e}", path.display()))?.into_iter().map(|v| v as f64).collect()

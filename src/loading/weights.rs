@@ -85,9 +85,9 @@ impl Gguf {
 
     pub fn meta_u32(&self, key: &str) -> Result<u32> {
         let v = self.meta(key).ok_or_else(|| anyhow!("{}: metadata key {key} is missing", self.path.display()))?;
-        let wide = v.to_u32().map(u64::from).or_else(|_| v.to_u64()).or_else(|_| v.to_i32().map(|x| x as u64).map(|x| if (x as i64) < 0 { u64::MAX } else { x }));
+        let wide = v.to_u32().map(i128::from).or_else(|_| v.to_u64().map(i128::from)).or_else(|_| v.to_i32().map(i128::from));
         let wide = wide.map_err(|e| anyhow!("{}: metadata key {key}: {e}", self.path.display()))?;
-        u32::try_from(wide).map_err(|_| anyhow!("{}: metadata key {key} is {}, out of range", self.path.display(), v.to_i32().map_or(wide as i64, i64::from)))
+        u32::try_from(wide).map_err(|_| anyhow!("{}: metadata key {key} is {wide}, out of range", self.path.display()))
     }
 
     pub fn meta_f32(&self, key: &str) -> Result<f32> {
@@ -116,26 +116,21 @@ fn declared_alignment(file: &mut File) -> Result<Option<u64>> {
     let size = file.seek(SeekFrom::End(0))?;
     let mut r = std::io::BufReader::new(&mut *file);
     r.seek(SeekFrom::Start(0))?;
-    let mut word = [0u8; 8];
-    let mut read = |r: &mut std::io::BufReader<&mut File>, n: usize| -> Result<u64> {
-        r.read_exact(&mut word[..n]).context("the header ends early")?;
-        Ok(u64::from_le_bytes(word))
-    };
-    let (magic, version) = (read(&mut r, 4)?, read(&mut r, 4)?);
+    let (magic, version) = (le(&mut r, 4)?, le(&mut r, 4)?);
     if magic != 0x4655_4747 {
         return Ok(None);
     }
     let count = if version == 1 { 4 } else { 8 };
-    let _tensors = read(&mut r, count)?;
-    let entries = read(&mut r, count)?;
+    let _tensors = le(&mut r, count)?;
+    let entries = le(&mut r, count)?;
     for _ in 0..entries {
-        let len = read(&mut r, count)?;
+        let len = le(&mut r, count)?;
         if len > size {
             bail!("a metadata key of {len} bytes in a file of {size}");
         }
         let mut key = vec![0u8; len as usize];
         r.read_exact(&mut key).context("the header ends early")?;
-        let kind = read(&mut r, 4)?;
+        let kind = le(&mut r, 4)?;
         if key == b"general.alignment" {
             let width = match kind {
                 0 | 1 => 1,
@@ -143,19 +138,21 @@ fn declared_alignment(file: &mut File) -> Result<Option<u64>> {
                 4 | 5 => 4,
                 _ => return Ok(None),
             };
-            return Ok(Some(read(&mut r, width)?));
+            return Ok(Some(le(&mut r, width)?));
         }
         skip_value(&mut r, kind, count, size, 0)?;
     }
     Ok(None)
 }
 
-fn skip_value(r: &mut std::io::BufReader<&mut File>, kind: u64, count: usize, size: u64, depth: usize) -> Result<()> {
+/// An `n`-byte little-endian unsigned integer (n ≤ 8).
+fn le(r: &mut impl Read, n: usize) -> Result<u64> {
     let mut word = [0u8; 8];
-    let mut read = |r: &mut std::io::BufReader<&mut File>, n: usize| -> Result<u64> {
-        r.read_exact(&mut word[..n]).context("the header ends early")?;
-        Ok(u64::from_le_bytes(word))
-    };
+    r.read_exact(&mut word[..n]).context("the header ends early")?;
+    Ok(u64::from_le_bytes(word))
+}
+
+fn skip_value(r: &mut std::io::BufReader<&mut File>, kind: u64, count: usize, size: u64, depth: usize) -> Result<()> {
     let fixed = |kind: u64| match kind {
         0 | 1 | 7 => Some(1),
         2 | 3 => Some(2),
@@ -171,12 +168,12 @@ fn skip_value(r: &mut std::io::BufReader<&mut File>, kind: u64, count: usize, si
     match (kind, fixed(kind)) {
         (_, Some(width)) => skip(r, width),
         (8, _) => {
-            let len = read(r, count)?;
+            let len = le(r, count)?;
             skip(r, len)
         }
         (9, _) if depth < 4 => {
-            let inner = read(r, 4)?;
-            let n = read(r, count)?;
+            let inner = le(r, 4)?;
+            let n = le(r, count)?;
             match fixed(inner) {
                 Some(width) => skip(r, n.checked_mul(width).unwrap_or(u64::MAX)),
                 None if n > size => bail!("an array of {n} values in a file of {size}"),
@@ -385,14 +382,14 @@ impl WeightSource for Safetensors {
 
     fn matrix(&self, name: &str) -> Result<Matrix> {
         let t = self.load(name)?;
+        float_weights(&t, &self.path, &hf_name(name))?;
         let &[rows, cols] = t.dims() else {
             bail!("{}: tensor {} has shape {:?}, expected 2 dimensions", self.path.display(), hf_name(name), t.dims())
         };
         let flat = t.flatten_all()?;
         let storage = match t.dtype() {
             DType::F16 if self.keep_f16 => Storage::F16(flat.to_vec1::<f16>()?),
-            DType::F16 | DType::BF16 | DType::F32 | DType::F64 => Storage::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-            _ => return Err(float_weights(&t, &self.path, &hf_name(name)).expect_err("not a weight dtype")),
+            _ => Storage::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
         };
         Ok(Matrix { rows, cols, storage })
     }
