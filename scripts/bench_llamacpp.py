@@ -101,7 +101,7 @@ def bench_llamacpp(model: Path, question: str, threads: int, new_tokens: int, ru
     text = llm.detokenize(results[0]["tokens"][:16]).decode("utf-8", "replace")
     for r in results:
         del r["tokens"]
-    return {"engine": f"llama.cpp (llama-cpp-python {md.version('llama_cpp_python')})",
+    return {"engine": f"llama.cpp (llama-cpp-python {md.version('llama_cpp_python')})", "model_file": model.name,
             "llama_cpp_python_version": md.version("llama_cpp_python"),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in results),
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in results),

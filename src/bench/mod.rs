@@ -35,6 +35,21 @@ pub struct DecodeBench {
     pub decode_tok_s_runs: Vec<f64>,
     pub prefill_tok_s_runs: Vec<f64>,
     pub batched_decode_tok_s_runs: Vec<f64>,
+    /// Matrices per weight type, and how K-quant rows meet their activations (`FRSPEC_KQUANT_ACTIVATIONS`).
+    pub weight_types: std::collections::BTreeMap<&'static str, usize>,
+    pub kquant_activations: &'static str,
+    /// Bytes the loaded weights occupy, the model file's size, and the process's peak resident memory at the end
+    /// (Linux; 0 elsewhere).
+    pub weight_bytes: usize,
+    pub file_bytes: u64,
+    pub peak_rss_bytes: u64,
+}
+
+/// The process's peak resident set size (`VmHWM`), 0 where /proc does not say.
+pub fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+    kib.unwrap_or(0) * 1024
 }
 
 pub fn median(values: &[f64]) -> f64 {
@@ -103,6 +118,11 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         decode_tok_s_runs: decode_runs,
         prefill_tok_s_runs: prefill_runs,
         batched_decode_tok_s_runs: batched_runs,
+        weight_types: model.weight_types(),
+        kquant_activations: crate::engine::cpu::tensor::KQuantActivations::detect().name(),
+        weight_bytes: model.weight_bytes(),
+        file_bytes: std::fs::metadata(&target.source).map_or(0, |m| m.len()),
+        peak_rss_bytes: peak_rss_bytes(),
     })
 }
 

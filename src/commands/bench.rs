@@ -44,6 +44,16 @@ pub fn decode(r: &Decode) -> Result<bool> {
             println!("{}", serde_json::to_string_pretty(&b)?);
         } else {
             println!("model {} ({} threads, median of {} runs)", target.source.display(), b.threads, b.runs);
+            let types: Vec<String> = b.weight_types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+            println!("weights {} (K-quant activations: {})", types.join(", "), b.kquant_activations);
+            let mib = |v: f64| v / (1u64 << 20) as f64;
+            println!(
+                "memory  {:.1} MiB of weights, peak resident {:.1} MiB, file {:.1} MiB ({:.2}× the file)",
+                mib(b.weight_bytes as f64),
+                mib(b.peak_rss_bytes as f64),
+                mib(b.file_bytes as f64),
+                b.peak_rss_bytes as f64 / b.file_bytes as f64
+            );
             println!("decode  {:>8.1} tokens/s  ({} new tokens)", b.decode_tok_s, b.new_tokens);
             println!("prefill {:>8.1} tokens/s  ({} prompt tokens)", b.prefill_tok_s, b.prompt_tokens);
             println!("block of {} costs {:.2}× a one-token forward", b.block, b.block_cost_ratio);

@@ -91,6 +91,127 @@ impl SuperBlock for BlockQ6K {
     }
 }
 
+/// Activations as ggml's Q8_K, for the integer products: 256 values as `d · qs`, with the sums of each 16 `qs`.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct BlockQ8K {
+    pub d: f32,
+    pub qs: [i8; QK_K],
+    pub bsums: [i16; QK_K / 16],
+}
+
+/// Appends the Q8_K blocks of `x` (a whole number of super-blocks) to `out`: per block d = max |x| / 127 and
+/// q = round(x · 127 / max |x|), ties to even (ggml's `quantize_row_q8_K` signs d so that the largest value becomes
+/// −127; a positive d is as exact and the vector version gives these bits).
+pub fn quantize_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
+    for xs in x.chunks_exact(QK_K) {
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mut b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] };
+        if amax != 0.0 {
+            let iscale = 127.0 / amax;
+            for (q, v) in b.qs.iter_mut().zip(xs) {
+                *q = (v * iscale).round_ties_even().clamp(-127.0, 127.0) as i8;
+            }
+            b.d = amax / 127.0;
+        }
+        sum_sixteens(&mut b);
+        out.push(b);
+    }
+}
+
+/// The block's `bsums` from its `qs`.
+pub fn sum_sixteens(b: &mut BlockQ8K) {
+    for (s, q) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
+        *s = q.iter().map(|&v| v as i16).sum();
+    }
+}
+
+/// A super-block's product with Q8_K activations from exact integer sums, combined in f32 the one way every kernel
+/// combines them (so the vector kernels give the scalar one's bits).
+pub trait IntegerDot: SuperBlock {
+    /// Σ w·a over the super-block, in the scalar reference arithmetic.
+    fn dot_q8k(&self, a: &BlockQ8K) -> f32;
+}
+
+/// `d · a.d · Σ sc·(q·a) − dmin · a.d · Σ m·(a's sums)` for Q4_K and Q5_K, whose values are `d·sc·q − dmin·m`.
+#[inline]
+pub fn combine(d: f32, dmin: f32, a: f32, scaled: i32, mins: i32) -> f32 {
+    a * d * scaled as f32 - a * dmin * mins as f32
+}
+
+/// The eight sub-block scales and the eight mins of a Q4_K or Q5_K super-block (`scale_min` for every j), decoded
+/// with ggml's masks on four 32-bit words: once per super-block, for all activation rows.
+#[inline]
+pub fn scales_mins(q: &[u8; 12]) -> ([u8; SUBS], [u8; SUBS]) {
+    let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let (six, low, two) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    let scales = [w0 & six, (w2 & low) | (((w0 >> 6) & two) << 4)];
+    let mins = [w1 & six, ((w2 >> 4) & low) | (((w1 >> 6) & two) << 4)];
+    let bytes = |w: [u32; 2]| {
+        let (a, b) = (w[0].to_le_bytes(), w[1].to_le_bytes());
+        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+    };
+    (bytes(scales), bytes(mins))
+}
+
+/// Σ_j m_j · (a's sum over sub-block j), the offset term of Q4_K and Q5_K.
+#[inline]
+pub fn mins_term(mins: &[u8; SUBS], a: &BlockQ8K) -> i32 {
+    (0..SUBS).map(|j| mins[j] as i32 * (a.bsums[2 * j] as i32 + a.bsums[2 * j + 1] as i32)).sum()
+}
+
+impl IntegerDot for BlockQ4K {
+    fn dot_q8k(&self, a: &BlockQ8K) -> f32 {
+        let (sc, mins) = scales_mins(&self.scales);
+        let scaled = (0..SUBS)
+            .map(|s| {
+                let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
+                let q: i32 = (0..32).map(|l| ((bytes[l] >> (4 * (s % 2))) & 0x0f) as i32 * a.qs[32 * s + l] as i32).sum();
+                sc[s] as i32 * q
+            })
+            .sum();
+        combine(self.d.to_f32(), self.dmin.to_f32(), a.d, scaled, mins_term(&mins, a))
+    }
+}
+
+impl IntegerDot for BlockQ5K {
+    fn dot_q8k(&self, a: &BlockQ8K) -> f32 {
+        let (sc, mins) = scales_mins(&self.scales);
+        let scaled = (0..SUBS)
+            .map(|s| {
+                let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
+                let q: i32 = (0..32)
+                    .map(|l| ((((bytes[l] >> (4 * (s % 2))) & 0x0f) | (((self.qh[l] >> s) & 1) << 4)) as i32) * a.qs[32 * s + l] as i32)
+                    .sum();
+                sc[s] as i32 * q
+            })
+            .sum();
+        combine(self.d.to_f32(), self.dmin.to_f32(), a.d, scaled, mins_term(&mins, a))
+    }
+}
+
+impl IntegerDot for BlockQ6K {
+    /// `d · a.d · Σ_g sc_g · (Σ q·a − 32 · a's sum)` over the sixteen groups of 16 (q unsigned, 0..63).
+    fn dot_q8k(&self, a: &BlockQ8K) -> f32 {
+        let scaled: i32 = (0..SUBS)
+            .map(|s| {
+                let (h, k) = (s / 4, s % 4);
+                let low = &self.ql[64 * h + 32 * (k % 2)..64 * h + 32 * (k % 2) + 32];
+                let q = |l: usize| (((low[l] >> (4 * (k / 2))) & 0x0f) | (((self.qh[32 * h + l] >> (2 * k)) & 3) << 4)) as i32;
+                (0..2)
+                    .map(|half| {
+                        let g = 2 * s + half;
+                        let qa: i32 = (16 * half..16 * half + 16).map(|l| q(l) * a.qs[32 * s + l] as i32).sum();
+                        self.scales[8 * h + 2 * k + half] as i32 * (qa - 32 * a.bsums[g] as i32)
+                    })
+                    .sum::<i32>()
+            })
+            .sum();
+        a.d * self.d.to_f32() * scaled as f32
+    }
+}
+
 /// Super-blocks from GGUF tensor bytes (little-endian, `size_of::<B>()` bytes each).
 pub fn parse<B: SuperBlock>(bytes: &[u8]) -> Vec<B> {
     let size = std::mem::size_of::<B>();
@@ -121,5 +242,38 @@ mod tests {
         assert_eq!(std::mem::size_of::<BlockQ4K>(), 144);
         assert_eq!(std::mem::size_of::<BlockQ5K>(), 176);
         assert_eq!(std::mem::size_of::<BlockQ6K>(), 210);
+        assert_eq!(std::mem::size_of::<BlockQ8K>(), 292);
+    }
+
+    #[test]
+    fn masked_scales_are_the_scale_min_of_each_sub_block() {
+        for seed in 0u32..64 {
+            let q: [u8; 12] = std::array::from_fn(|i| (seed.wrapping_mul(2654435761).rotate_left(i as u32 * 3) >> 7) as u8);
+            let (scales, mins) = scales_mins(&q);
+            for j in 0..SUBS {
+                assert_eq!((scales[j] as f32, mins[j] as f32), scale_min(j, &q), "sub-block {j} of {q:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn q8k_keeps_the_largest_value_and_sums_each_sixteen() {
+        let x: Vec<f32> = (0..2 * QK_K).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        let mut blocks = Vec::new();
+        quantize_q8k(&x, &mut blocks);
+        assert_eq!(blocks.len(), 2);
+        for (b, xs) in blocks.iter().zip(x.chunks_exact(QK_K)) {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (q, v) in b.qs.iter().zip(xs) {
+                assert!((b.d * *q as f32 - v).abs() <= b.d.abs() / 2.0 + 1e-6, "{v} became {q} × {}", b.d);
+            }
+            assert!(b.qs.iter().any(|q| q.unsigned_abs() == 127) && (b.d.abs() * 127.0 - amax).abs() < 1e-5);
+            for (g, s) in b.bsums.iter().enumerate() {
+                assert_eq!(*s as i32, b.qs[16 * g..16 * g + 16].iter().map(|&q| q as i32).sum::<i32>());
+            }
+        }
+        let mut zero = Vec::new();
+        quantize_q8k(&[0.0; QK_K], &mut zero);
+        assert!(zero[0].d == 0.0 && zero[0].qs.iter().all(|&q| q == 0));
     }
 }

@@ -63,6 +63,13 @@ pub struct Layer {
     pub down: Linear,
 }
 
+impl Layer {
+    /// The layer's seven weight matrices.
+    pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
+        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down].into_iter().map(|l| &l.weight)
+    }
+}
+
 /// A weight matrix with an optional bias (Qwen2's Q/K/V projections carry one).
 pub struct Linear {
     pub weight: Matrix,
@@ -71,10 +78,19 @@ pub struct Linear {
 
 impl Linear {
     pub fn forward(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
-        self.weight.matmul(x, out, scratch);
-        if let Some(b) = &self.bias {
-            for row in out.chunks_exact_mut(b.len()) {
-                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        Linear::forward_many(x, [(self, out)], scratch)
+    }
+
+    /// Several projections of the same input in one parallel region (`Matrix::matmul_many`).
+    pub fn forward_many<const K: usize>(x: &[f32], projections: [(&Linear, &mut [f32]); K], scratch: &mut MatmulScratch) {
+        let linears = projections.each_ref().map(|(l, _)| *l);
+        let mut products = projections.map(|(l, out)| (&l.weight, out));
+        Matrix::matmul_many(x, &mut products, scratch);
+        for ((_, out), l) in products.iter_mut().zip(linears) {
+            if let Some(b) = &l.bias {
+                for row in out.chunks_exact_mut(b.len()) {
+                    row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+                }
             }
         }
     }
@@ -209,9 +225,7 @@ impl Layer {
             }
             (None, None) => x,
         };
-        self.q.forward(attn_in, &mut w.q, &mut w.matmul.0);
-        self.k.forward(attn_in, &mut w.k, &mut w.matmul.0);
-        self.v.forward(attn_in, &mut w.v, &mut w.matmul.0);
+        Linear::forward_many(attn_in, [(&self.q, &mut w.q[..]), (&self.k, &mut w.k[..]), (&self.v, &mut w.v[..])], &mut w.matmul.0);
         for i in 0..n {
             g.rope(&mut w.q[i * qd..(i + 1) * qd], &w.cos, &w.sin, i);
             g.rope(&mut w.k[i * kvd..(i + 1) * kvd], &w.cos, &w.sin, i);
@@ -229,8 +243,7 @@ impl Layer {
         x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
 
         rms_norm(x, &self.ffn_norm, g.rms_eps, &mut w.normed);
-        self.gate.forward(&w.normed, &mut w.gate, &mut w.matmul.0);
-        self.up.forward(&w.normed, &mut w.up, &mut w.matmul.0);
+        Linear::forward_many(&w.normed, [(&self.gate, &mut w.gate[..]), (&self.up, &mut w.up[..])], &mut w.matmul.0);
         w.gate.iter_mut().zip(&w.up).for_each(|(a, u)| *a = silu(*a) * u);
         self.down.forward(&w.gate, &mut w.proj, &mut w.matmul.0);
         x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
@@ -395,6 +408,23 @@ impl Model {
         let geometry = Geometry::new(c, rope_freqs.as_deref());
         let norm = load_norm(src, "output_norm.weight", c.hidden)?;
         Ok(Model { config, geometry, embed, layers, norm, lm_head })
+    }
+
+    /// Bytes the weights occupy in memory: every matrix in its storage, norms as f32 (a tied head counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let norms = self.norm.len() + self.layers.iter().map(|l| l.ffn_norm.len() + l.attn_norm.as_ref().map_or(0, Vec::len)).sum::<usize>();
+        let matrices: usize = self.layers.iter().flat_map(Layer::matrices).map(Matrix::bytes).sum();
+        matrices + self.embed.bytes() + self.lm_head.as_ref().map_or(0, |h| h.bytes()) + 4 * norms
+    }
+
+    /// How many matrices (embedding and LM head included) each weight type has.
+    pub fn weight_types(&self) -> std::collections::BTreeMap<&'static str, usize> {
+        let mut counts = std::collections::BTreeMap::new();
+        let head = self.lm_head.as_deref();
+        for m in self.layers.iter().flat_map(Layer::matrices).chain([&*self.embed]).chain(head) {
+            *counts.entry(m.dtype_name()).or_insert(0) += 1;
+        }
+        counts
     }
 
     pub fn embedding(&self) -> &Matrix {

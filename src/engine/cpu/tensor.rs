@@ -6,9 +6,11 @@
 //! ../shared/reference/CRATES.md: up to 0.53 in a logit), quantize activations to 8 bits, and have no SIMD dot
 //! product for Q4_1. Here every output element is one `dot` of one weight row with one activation row, always
 //! in the same order, whatever the batch size or thread count; activations stay f32, so results follow an f32
-//! reference that dequantizes the weights.
+//! reference that dequantizes the weights. The exception is K-quant rows, which by default meet activations
+//! quantized to 8 bits as llama.cpp does (`KQuantActivations`): still per activation row, so a block still equals
+//! its rows, and the integer sums are exact.
 
-use super::kquants::{self, BlockQ4K, BlockQ5K, BlockQ6K, SuperBlock, QK_K, SUBS};
+use super::kquants::{self, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, SuperBlock, QK_K, SUBS};
 use half::f16;
 use rayon::prelude::*;
 
@@ -154,82 +156,161 @@ impl Matrix {
     /// one-row product, so a block equals its rows done one by one, bit for bit.
     /// `scratch` holds per-block activation sums (Q4_1) and the transposed result; it is reused between calls.
     pub fn matmul(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
-        self.matmul_with(Kernel::detect(), x, out, scratch)
+        Matrix::matmul_many(x, &mut [(self, out)], scratch)
     }
 
-    fn matmul_with(&self, kernel: Kernel, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
-        let n = x.len() / self.cols;
-        debug_assert_eq!(x.len(), n * self.cols);
-        debug_assert_eq!(out.len(), n * self.rows);
+    /// Several products of the same activations (a layer's q, k and v; gate and up), each as `matmul` computes it,
+    /// in one parallel region: the pool's threads are woken once, not once a matrix (waking a sleeping thread cost
+    /// a tenth of decode on a 2-core virtual machine). All matrices have `x`'s row width.
+    pub fn matmul_many(x: &[f32], products: &mut [(&Matrix, &mut [f32])], scratch: &mut MatmulScratch) {
+        Matrix::matmul_many_with(Kernel::detect(), KQuantActivations::detect(), x, products, scratch)
+    }
+
+    fn is_k_quant(&self) -> bool {
+        matches!(self.storage, Storage::Q4K(_) | Storage::Q5K(_) | Storage::Q6K(_))
+    }
+
+    #[cfg(test)]
+    fn matmul_with(&self, kernel: Kernel, activations: KQuantActivations, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+        Matrix::matmul_many_with(kernel, activations, x, &mut [(self, out)], scratch)
+    }
+
+    fn matmul_many_with(kernel: Kernel, activations: KQuantActivations, x: &[f32], products: &mut [(&Matrix, &mut [f32])], scratch: &mut MatmulScratch) {
+        let cols = products[0].0.cols;
+        let n = x.len() / cols;
+        debug_assert_eq!(x.len(), n * cols);
+        debug_assert!(products.iter().all(|(m, out)| m.cols == cols && out.len() == n * m.rows));
         scratch.block_sums.clear();
-        if let Storage::Q4_1(_) | Storage::Q4K(_) | Storage::Q5K(_) = self.storage {
+        scratch.q8.clear();
+        let integer = activations == KQuantActivations::Q8;
+        if products.iter().any(|(m, _)| m.is_k_quant() && integer) {
+            // Each activation row is quantized on its own, so a row's products never depend on the others'.
+            quantize_q8k(kernel, x, &mut scratch.q8);
+        }
+        if products.iter().any(|(m, _)| matches!(m.storage, Storage::Q4_1(_)) || (m.is_k_quant() && !integer)) {
             scratch.block_sums.extend(x.chunks_exact(QK).map(|c| c.iter().sum::<f32>()));
         }
-        let sums = &scratch.block_sums;
-        // Rows are split into chunks, one task each; the result is written row-major [rows, n] then transposed,
-        // so each task owns a contiguous slice of the output.
-        let rows_per_task = (self.rows / (4 * pool().current_num_threads())).clamp(16, 1024);
+        let (sums, q8) = (&scratch.block_sums, &scratch.q8);
+        // The matrices' rows, stacked, are split into chunks, one task each; the result is written row-major
+        // [rows, n] then transposed, so each task owns a contiguous slice of the output. A chunk may cover the end
+        // of one matrix and the start of the next.
+        let rows: usize = products.iter().map(|(m, _)| m.rows).sum();
+        let rows_per_task = (rows / (4 * pool().current_num_threads())).clamp(16, 1024);
         let t = &mut scratch.transposed;
-        t.resize(self.rows * n, 0.0);
-        // Within a task, a tile of weight rows meets one group of activation rows at a time: the group stays in L1
-        // and the tile in L2 however many rows the batch has (all rows against every weight row overflow L1 past
-        // about 20 rows of 576 and ran a batch of verification blocks 1.5× slower than the blocks one by one).
+        t.resize(rows * n, 0.0);
+        let matrices = || products.iter().scan(0, |start, (m, _)| {
+            *start += m.rows;
+            Some((*start - m.rows, &**m))
+        });
         let task = |(task, chunk): (usize, &mut [f32])| {
             let first = task * rows_per_task;
-            let rows_here = chunk.len() / n;
-            for tile in (0..rows_here).step_by(ROW_TILE) {
-                let mut b = 0;
-                while b < n {
-                    let g = (n - b).min(GROUP);
-                    let xs = &x[b * self.cols..(b + g) * self.cols];
-                    let ss = if sums.is_empty() { sums } else { &sums[b * self.blocks_per_row()..(b + g) * self.blocks_per_row()] };
-                    for i in tile..(tile + ROW_TILE).min(rows_here) {
-                        self.row_dots(kernel, first + i, xs, ss, &mut chunk[i * n + b..i * n + b + g]);
-                    }
-                    b += g;
+            let end = first + chunk.len() / n;
+            for (start, m) in matrices() {
+                let (from, to) = (first.max(start), end.min(start + m.rows));
+                if from < to {
+                    m.rows_into(kernel, from - start..to - start, x, sums, q8, &mut chunk[(from - first) * n..(to - first) * n]);
                 }
             }
         };
         // Waking the thread pool costs more than a small product (EAGLE heads, test models): stay on this thread.
-        if self.rows * self.cols * n < PARALLEL_MIN_MACS {
+        if rows * cols * n < PARALLEL_MIN_MACS {
             t.chunks_mut(rows_per_task * n).enumerate().for_each(task);
         } else {
             pool().install(|| t.par_chunks_mut(rows_per_task * n).enumerate().for_each(task));
         }
-        for (r, row) in t.chunks_exact(n).enumerate() {
-            for (b, v) in row.iter().enumerate() {
-                out[b * self.rows + r] = *v;
+        let mut stacked = t.chunks_exact(n);
+        for (m, out) in products.iter_mut() {
+            for (r, row) in stacked.by_ref().take(m.rows).enumerate() {
+                for (b, v) in row.iter().enumerate() {
+                    out[b * m.rows + r] = *v;
+                }
             }
         }
     }
 
-    /// Dots of row `r` with each of the `out.len()` (≤ GROUP) activation rows in `x`.
+    /// Weight rows `rows` times every activation row, row-major into `out` ([rows, n]). A tile of weight rows meets
+    /// one group of activation rows at a time: the group stays in L1 and the tile in L2 however many rows the batch
+    /// has (all rows against every weight row overflow L1 past about 20 rows of 576 and ran a batch of verification
+    /// blocks 1.5× slower than the blocks one by one).
+    fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], sums: &[f32], q8: &[BlockQ8K], out: &mut [f32]) {
+        let n = x.len() / self.cols;
+        let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
+        for tile in rows.clone().step_by(ROW_TILE) {
+            let end = (tile + ROW_TILE).min(rows.end);
+            let mut b = 0;
+            while b < n {
+                let g = (n - b).min(GROUP);
+                let xs = &x[b * self.cols..(b + g) * self.cols];
+                let ss = if sums.is_empty() { sums } else { &sums[b * nb..(b + g) * nb] };
+                let qs = if q8.is_empty() || !self.is_k_quant() { &q8[..0] } else { &q8[b * nk..(b + g) * nk] };
+                self.tile_dots(kernel, tile..end, xs, ss, qs, &mut out[(tile - rows.start) * n + b..], n, g);
+                b += g;
+            }
+        }
+    }
+
+    /// Dots of the weight rows `rows` with each of the `g` (≤ GROUP) activation rows in `x` (in `q8` instead, as
+    /// Q8_K blocks, when K-quant rows take integer products): row r's go to `out[(r − rows.start) · stride..][..g]`.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], block_sums: &[f32], q8: &[BlockQ8K], out: &mut [f32], stride: usize, g: usize) {
+        let nk = self.superblocks_per_row();
+        // Integer K-quant products take a whole tile per call: their rows are short (3 super-blocks at d = 768)
+        // and a call per row cost a fifth of decode.
+        macro_rules! k8_tile {
+            ($v:expr) => {{
+                let w = &$v[rows.start * nk..rows.end * nk];
+                match g {
+                    1 => dots_k8_rows::<1>(kernel, w, nk, q8, out, stride),
+                    2 => dots_k8_rows::<2>(kernel, w, nk, q8, out, stride),
+                    3 => dots_k8_rows::<3>(kernel, w, nk, q8, out, stride),
+                    4 => dots_k8_rows::<4>(kernel, w, nk, q8, out, stride),
+                    5 => dots_k8_rows::<5>(kernel, w, nk, q8, out, stride),
+                    6 => dots_k8_rows::<6>(kernel, w, nk, q8, out, stride),
+                    7 => dots_k8_rows::<7>(kernel, w, nk, q8, out, stride),
+                    _ => dots_k8_rows::<8>(kernel, w, nk, q8, out, stride),
+                }
+            }};
+        }
+        match &self.storage {
+            Storage::Q4K(v) if !q8.is_empty() => k8_tile!(v),
+            Storage::Q5K(v) if !q8.is_empty() => k8_tile!(v),
+            Storage::Q6K(v) if !q8.is_empty() => k8_tile!(v),
+            _ => {
+                for r in rows.clone() {
+                    let at = (r - rows.start) * stride;
+                    self.row_dots(kernel, r, x, block_sums, &mut out[at..at + g]);
+                }
+            }
+        }
+    }
+
+    /// Dots of row `r` with each of the `out.len()` (≤ GROUP) f32 activation rows in `x`.
     #[inline]
     fn row_dots(&self, kernel: Kernel, r: usize, x: &[f32], block_sums: &[f32], out: &mut [f32]) {
         let (c, nb, nk) = (self.cols, self.blocks_per_row(), self.superblocks_per_row());
         macro_rules! group {
-            ($f:ident, $w:expr) => {
+            ($f:ident, $($arg:expr),*) => {
                 match out.len() {
-                    1 => out.copy_from_slice(&$f::<1>(kernel, $w, x, block_sums)),
-                    2 => out.copy_from_slice(&$f::<2>(kernel, $w, x, block_sums)),
-                    3 => out.copy_from_slice(&$f::<3>(kernel, $w, x, block_sums)),
-                    4 => out.copy_from_slice(&$f::<4>(kernel, $w, x, block_sums)),
-                    5 => out.copy_from_slice(&$f::<5>(kernel, $w, x, block_sums)),
-                    6 => out.copy_from_slice(&$f::<6>(kernel, $w, x, block_sums)),
-                    7 => out.copy_from_slice(&$f::<7>(kernel, $w, x, block_sums)),
-                    _ => out.copy_from_slice(&$f::<8>(kernel, $w, x, block_sums)),
+                    1 => out.copy_from_slice(&$f::<1>(kernel, $($arg),*)),
+                    2 => out.copy_from_slice(&$f::<2>(kernel, $($arg),*)),
+                    3 => out.copy_from_slice(&$f::<3>(kernel, $($arg),*)),
+                    4 => out.copy_from_slice(&$f::<4>(kernel, $($arg),*)),
+                    5 => out.copy_from_slice(&$f::<5>(kernel, $($arg),*)),
+                    6 => out.copy_from_slice(&$f::<6>(kernel, $($arg),*)),
+                    7 => out.copy_from_slice(&$f::<7>(kernel, $($arg),*)),
+                    _ => out.copy_from_slice(&$f::<8>(kernel, $($arg),*)),
                 }
             };
         }
         match &self.storage {
-            Storage::F32(v) => group!(dots_f32, &v[r * c..(r + 1) * c]),
-            Storage::F16(v) => group!(dots_f16, &v[r * c..(r + 1) * c]),
-            Storage::Q4_0(v) => group!(dots_q4_0, &v[r * nb..(r + 1) * nb]),
-            Storage::Q4_1(v) => group!(dots_q4_1, &v[r * nb..(r + 1) * nb]),
-            Storage::Q8_0(v) => group!(dots_q8_0, &v[r * nb..(r + 1) * nb]),
-            Storage::Q4K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk]),
-            Storage::Q5K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk]),
-            Storage::Q6K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk]),
+            Storage::F32(v) => group!(dots_f32, &v[r * c..(r + 1) * c], x, block_sums),
+            Storage::F16(v) => group!(dots_f16, &v[r * c..(r + 1) * c], x, block_sums),
+            Storage::Q4_0(v) => group!(dots_q4_0, &v[r * nb..(r + 1) * nb], x, block_sums),
+            Storage::Q4_1(v) => group!(dots_q4_1, &v[r * nb..(r + 1) * nb], x, block_sums),
+            Storage::Q8_0(v) => group!(dots_q8_0, &v[r * nb..(r + 1) * nb], x, block_sums),
+            Storage::Q4K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x, block_sums),
+            Storage::Q5K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x, block_sums),
+            Storage::Q6K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x, block_sums),
         }
     }
 }
@@ -255,7 +336,35 @@ pub fn pool() -> &'static rayon::ThreadPool {
 #[derive(Default)]
 pub struct MatmulScratch {
     block_sums: Vec<f32>,
+    q8: Vec<BlockQ8K>,
     transposed: Vec<f32>,
+}
+
+/// How K-quant rows meet their activations, chosen once per process (`FRSPEC_KQUANT_ACTIVATIONS=f32|q8`).
+/// `Q8` (the default) quantizes each activation row to ggml's Q8_K and sums in integers, as llama.cpp does: that is
+/// what reaches llama.cpp's speed (`results/bench/kquants-vs-llamacpp.md`). `F32` keeps activations exact, as for
+/// every other weight type: slower, but its products follow an f32 reference of the dequantized weights to 1e-5.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KQuantActivations {
+    F32,
+    Q8,
+}
+
+impl KQuantActivations {
+    pub fn detect() -> KQuantActivations {
+        static MODE: std::sync::OnceLock<KQuantActivations> = std::sync::OnceLock::new();
+        *MODE.get_or_init(|| match std::env::var("FRSPEC_KQUANT_ACTIVATIONS").as_deref() {
+            Ok("f32") => KQuantActivations::F32,
+            _ => KQuantActivations::Q8,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KQuantActivations::F32 => "f32",
+            KQuantActivations::Q8 => "q8",
+        }
+    }
 }
 
 /// Which dot-product implementation this CPU runs. Chosen once per process, so results never mix the two.
@@ -264,7 +373,8 @@ enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
-    /// AVX2 for dense rows, 16-lane AVX-512 for block-quantized rows (half the unpacking instructions).
+    /// AVX2 for dense rows, 16-lane AVX-512 for block-quantized rows (half the unpacking instructions), and the AVX2
+    /// integer K-quant kernel with AVX-512's 32 vector registers (a group of 8 activation rows spills in 16).
     #[cfg(target_arch = "x86_64")]
     Avx512,
 }
@@ -292,7 +402,7 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
             kernels.push(Kernel::Avx2);
-            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") {
                 kernels.push(Kernel::Avx512);
             }
         }
@@ -310,7 +420,7 @@ macro_rules! vectorized {
     ($kernel:expr, $f:ident($($arg:expr),*)) => {
         #[cfg(target_arch = "x86_64")]
         match $kernel {
-            // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f and avx512bw besides avx2, fma and
+            // SAFETY: Kernel::Avx512 is only chosen when the CPU reports avx512f, avx512bw and avx512vl besides avx2, fma and
             // f16c, Kernel::Avx2 when it reports avx2, fma and f16c (`Kernel::available`).
             Kernel::Avx512 => return unsafe { avx512::$f::<N>($($arg),*) },
             Kernel::Avx2 => return unsafe { avx2::$f::<N>($($arg),*) },
@@ -389,15 +499,15 @@ fn dots_q8_0<const N: usize>(kernel: Kernel, w: &[BlockQ8_0], x: &[f32], _: &[f3
     })
 }
 
-/// A K-quant super-block with its vector unpacking where the architecture has one.
+/// A K-quant super-block with its vector unpacking and integer products where the architecture has them.
 #[cfg(target_arch = "x86_64")]
-trait KBlock: avx2::Unpack {}
+trait KBlock: avx2::Unpack + avx2::VectorDot {}
 #[cfg(target_arch = "x86_64")]
-impl<B: avx2::Unpack> KBlock for B {}
+impl<B: avx2::Unpack + avx2::VectorDot> KBlock for B {}
 #[cfg(not(target_arch = "x86_64"))]
-trait KBlock: SuperBlock {}
+trait KBlock: SuperBlock + kquants::IntegerDot {}
 #[cfg(not(target_arch = "x86_64"))]
-impl<B: SuperBlock> KBlock for B {}
+impl<B: SuperBlock + kquants::IntegerDot> KBlock for B {}
 
 /// K-quant rows: per sub-block of 32, scale · Σ v x + offset · Σ x (Σ x from `block_sums`, computed once per
 /// activation row, as for Q4_1).
@@ -418,6 +528,40 @@ fn dots_k<const N: usize>(kernel: Kernel, w: &[impl KBlock], x: &[f32], block_su
     })
 }
 
+/// `kquants::quantize_q8k`, with vector instructions where the kernel has them (the same bits).
+fn quantize_q8k(kernel: Kernel, x: &[f32], out: &mut Vec<BlockQ8K>) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
+        // SAFETY: these kernels are only chosen when the CPU reports avx2, fma and f16c.
+        return unsafe { avx2::quantize_q8k(x, out) };
+    }
+    let _ = kernel;
+    kquants::quantize_q8k(x, out)
+}
+
+/// K-quant rows (`w`: whole rows of `nk` super-blocks) times N Q8_K activation rows (`a`, `nk` blocks each): row r's
+/// N products go to `out[r · stride..][..N]`. Per super-block the integer products of `IntegerDot`, in order.
+fn dots_k8_rows<const N: usize>(kernel: Kernel, w: &[impl KBlock], nk: usize, a: &[BlockQ8K], out: &mut [f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
+        assert!(w.len() / nk <= 1 + (out.len().saturating_sub(N)) / stride && a.len() >= N * nk);
+        // SAFETY: the kernels are only chosen when the CPU has their features (`Kernel::available`); the bounds are
+        // checked above.
+        return unsafe {
+            match kernel {
+                Kernel::Avx512 => avx512::dots_k8_rows::<N>(w, nk, a, out, stride),
+                _ => avx2::dots_k8_rows::<N>(w, nk, a, out, stride),
+            }
+        };
+    }
+    let _ = kernel;
+    for (r, row) in w.chunks_exact(nk).enumerate() {
+        for j in 0..N {
+            out[r * stride + j] = row.iter().enumerate().map(|(i, b)| b.dot_q8k(&a[j * nk + i])).sum();
+        }
+    }
+}
+
 /// Eight-lane accumulation in the scalar fallback, so it degrades gracefully on long rows.
 fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
     let mut lanes = [0f32; 8];
@@ -429,8 +573,8 @@ fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::kquants::scale_min;
-    use super::{BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8_0, SuperBlock, QK, SUBS};
+    use super::kquants::{scale_min, scales_mins, IntegerDot};
+    use super::{BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, SuperBlock, QK, QK_K, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -577,6 +721,208 @@ mod avx2 {
         dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| w[i / SUBS].unpack(i % SUBS))
     }
 
+    /// K-quant rows times Q8_K activation rows, as the scalar `dots_k8_rows`, with the products kept in 8 f32 lanes
+    /// per activation row and summed once per weight row (as ggml does). No closures on this path: a closure does
+    /// not take its function's target features, so it would not be inlined.
+    ///
+    /// # Safety
+    /// On a CPU with avx2, fma and f16c; `a` holds N rows of `nk` blocks and `out` reaches row r's `r · stride + N`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_k8_rows<const N: usize>(w: &[impl VectorDot], nk: usize, a: &[BlockQ8K], out: &mut [f32], stride: usize) {
+        let mut rows = [&a[0]; N];
+        for (r, row) in w.chunks_exact(nk).enumerate() {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (i, b) in row.iter().enumerate() {
+                for (j, at) in rows.iter_mut().enumerate() {
+                    *at = a.get_unchecked(j * nk + i);
+                }
+                b.accumulate::<N>(&rows, &mut acc);
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                *out.get_unchecked_mut(r * stride + j) = hsum(*acc);
+            }
+        }
+    }
+
+    /// One super-block times N Q8_K activation blocks (`IntegerDot::dot_q8k` for each), added to 8 f32 lanes per
+    /// activation row with exact integer sums inside the super-block.
+    pub trait VectorDot: IntegerDot {
+        /// # Safety
+        /// Only on a CPU with avx2, fma and f16c.
+        unsafe fn accumulate<const N: usize>(&self, a: &[&BlockQ8K; N], acc: &mut [__m256; N]);
+    }
+
+    /// `quantize_q8k` with vector instructions, to the same bits (max, the multiply and ties-to-even rounding are
+    /// the same IEEE operations; the packing saturates where the scalar version clamps, at ±127 already).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
+        let sign = _mm256_set1_ps(-0.0);
+        for xs in x.chunks_exact(QK_K) {
+            let p = xs.as_ptr();
+            let mut m = _mm256_setzero_ps();
+            for i in (0..QK_K).step_by(8) {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(i))));
+            }
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+            let mut b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] };
+            if amax != 0.0 {
+                let iscale = _mm256_set1_ps(127.0 / amax);
+                // packs interleave 128-bit lanes: dwords come out as (0 4 1 5 2 6 3 7).
+                let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+                for i in (0..QK_K).step_by(32) {
+                    let lo = _mm256_packs_epi32(round8(p.add(i), iscale), round8(p.add(i + 8), iscale));
+                    let hi = _mm256_packs_epi32(round8(p.add(i + 16), iscale), round8(p.add(i + 24), iscale));
+                    let q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
+                    _mm256_storeu_si256(b.qs.as_mut_ptr().add(i) as *mut __m256i, q);
+                }
+                b.d = amax / 127.0;
+            }
+            super::kquants::sum_sixteens(&mut b);
+            out.push(b);
+        }
+    }
+
+    /// Eight values times `scale`, rounded to the nearest integer (ties to even).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn round8(p: *const f32, scale: __m256) -> __m256i {
+        _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(_mm256_loadu_ps(p), scale)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load(p: *const i8) -> __m256i {
+        _mm256_loadu_si256(p as *const __m256i)
+    }
+
+    /// Q4_K and Q5_K super-blocks as the integer kernel reads them.
+    pub trait Q4Like {
+        fn header(&self) -> (f16, f16, &[u8; 12]);
+        /// Values 64c .. 64c + 64 as unsigned bytes: sub-block 2c, then 2c + 1.
+        /// # Safety
+        /// Only on a CPU with avx2.
+        unsafe fn values(&self, c: usize) -> (__m256i, __m256i);
+    }
+
+    impl Q4Like for BlockQ4K {
+        fn header(&self) -> (f16, f16, &[u8; 12]) {
+            (self.d, self.dmin, &self.scales)
+        }
+
+        /// Sub-block 2c is the low nibbles of bytes 32c .. 32c + 32, sub-block 2c + 1 their high nibbles.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn values(&self, c: usize) -> (__m256i, __m256i) {
+            let p = self.qs.as_ptr().add(32 * c);
+            (nibbles32(p, false), nibbles32(p, true))
+        }
+    }
+
+    impl Q4Like for BlockQ5K {
+        fn header(&self) -> (f16, f16, &[u8; 12]) {
+            (self.d, self.dmin, &self.scales)
+        }
+
+        /// As Q4_K, with bit s of each qh byte as the fifth bit (16) of that value of sub-block s.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn values(&self, c: usize) -> (__m256i, __m256i) {
+            let p = self.qs.as_ptr().add(32 * c);
+            let qh = _mm256_loadu_si256(self.qh.as_ptr() as *const __m256i);
+            let (lo_bit, hi_bit) = (_mm256_set1_epi8((1u8 << (2 * c)) as i8), _mm256_set1_epi8((2u8 << (2 * c)) as i8));
+            let sixteen = _mm256_set1_epi8(16);
+            let lo = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, lo_bit), lo_bit), sixteen);
+            let hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, hi_bit), hi_bit), sixteen);
+            (_mm256_or_si256(nibbles32(p, false), lo), _mm256_or_si256(nibbles32(p, true), hi))
+        }
+    }
+
+    /// Q4_K and Q5_K: 64 values at a time (`Q4Like::values`), each pair of products summed to i16 (`maddubs`:
+    /// |31 · 127 · 2| fits) then times the sub-block scale to i32 (`madd`). The mins term: the mins (as i16) times
+    /// the activation sums of each sub-block (two sums of 16, added), as `kquants::mins_term`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate_q4k_like<const N: usize>(b: &impl Q4Like, a: &[&BlockQ8K; N], acc: &mut [__m256; N]) {
+        let (d, dmin, scales) = b.header();
+        let (sc, mins) = scales_mins(scales);
+        let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mins.as_ptr() as *const __m128i));
+        let mut sumi = [_mm256_setzero_si256(); N];
+        for c in 0..4 {
+            let (lo, hi) = b.values(c);
+            let (s_lo, s_hi) = (_mm256_set1_epi16(sc[2 * c] as i16), _mm256_set1_epi16(sc[2 * c + 1] as i16));
+            for j in 0..N {
+                let q = a[j].qs.as_ptr().add(64 * c);
+                let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(q)), s_lo);
+                let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(q.add(32))), s_hi);
+                sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(pl, ph));
+            }
+        }
+        let (d, dmin) = (to_f32(d), to_f32(dmin));
+        for j in 0..N {
+            let sums = _mm256_loadu_si256(a[j].bsums.as_ptr() as *const __m256i);
+            let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+            let m = _mm256_insertf128_ps::<0>(_mm256_setzero_ps(), _mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)));
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[j].d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * a[j].d), m, acc[j]);
+        }
+    }
+
+    impl VectorDot for BlockQ4K {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn accumulate<const N: usize>(&self, a: &[&BlockQ8K; N], acc: &mut [__m256; N]) {
+            accumulate_q4k_like(self, a, acc)
+        }
+    }
+
+    impl VectorDot for BlockQ5K {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn accumulate<const N: usize>(&self, a: &[&BlockQ8K; N], acc: &mut [__m256; N]) {
+            accumulate_q4k_like(self, a, acc)
+        }
+    }
+
+    impl VectorDot for BlockQ6K {
+        /// Per half of 128 values (its 64 `ql` and 32 `qh` bytes read once): four sub-blocks of 32 unsigned 6-bit
+        /// values (0..63) times the activations, pairs summed to i16, then times the two sub-scales of each sub-block's
+        /// halves (`madd` with 8 lanes of each). The −32 offset: the sixteen scales times the activation sums.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn accumulate<const N: usize>(&self, a: &[&BlockQ8K; N], acc: &mut [__m256; N]) {
+            let mut sumi = [_mm256_setzero_si256(); N];
+            let (three, fifteen) = (_mm256_set1_epi8(3), _mm256_set1_epi8(0x0f));
+            for h in 0..2 {
+                let ql = self.ql.as_ptr().add(64 * h);
+                let ql = [_mm256_loadu_si256(ql as *const __m256i), _mm256_loadu_si256(ql.add(32) as *const __m256i)];
+                let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * h) as *const __m256i);
+                for k in 0..4 {
+                    let low = if k < 2 { ql[k] } else { _mm256_srli_epi16(ql[k - 2], 4) };
+                    let two = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)), three);
+                    let q = _mm256_or_si256(_mm256_and_si256(low, fifteen), _mm256_slli_epi16(two, 4));
+                    let g = 8 * h + 2 * k;
+                    let scales = _mm256_set_m128i(_mm_set1_epi16(self.scales[g + 1] as i16), _mm_set1_epi16(self.scales[g] as i16));
+                    let s = 4 * h + k;
+                    for j in 0..N {
+                        let p = _mm256_maddubs_epi16(q, load(a[j].qs.as_ptr().add(32 * s)));
+                        sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(p, scales));
+                    }
+                }
+            }
+            let d = to_f32(self.d);
+            // Group g of 16 values (g = 2s + half = 8h + 2k + half) has scale g and activation sum g.
+            let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
+            for j in 0..N {
+                let offset = _mm256_madd_epi16(scales, _mm256_loadu_si256(a[j].bsums.as_ptr() as *const __m256i));
+                let total = _mm256_sub_epi32(sumi[j], _mm256_slli_epi32(offset, 5));
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[j].d), _mm256_cvtepi32_ps(total), acc[j]);
+            }
+        }
+    }
+
     /// Sub-block `s` of a K-quant super-block as four vectors of 8 f32, its scale and its offset.
     pub trait Unpack: SuperBlock {
         /// # Safety
@@ -646,7 +992,8 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::Unpack;
+    use super::avx2::{Unpack, VectorDot};
+    use super::kquants::BlockQ8K;
     use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
@@ -720,6 +1067,15 @@ mod avx512 {
         dots_blocks::<N>(w.len(), x, &[], |i| (bytes(&w[i].qs), to_f32(w[i].d), 0.0))
     }
 
+    /// `avx2::dots_k8_rows` compiled for AVX-512 (VL): the same instructions, twice the registers.
+    ///
+    /// # Safety
+    /// As `avx2::dots_k8_rows`, on a CPU with avx512f, avx512bw and avx512vl.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dots_k8_rows<const N: usize>(w: &[impl VectorDot], nk: usize, a: &[BlockQ8K], out: &mut [f32], stride: usize) {
+        super::avx2::dots_k8_rows::<N>(w, nk, a, out, stride)
+    }
+
     /// The AVX2 unpacking, its four 8-lane vectors joined in pairs.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn dots_k<const N: usize>(w: &[impl Unpack], x: &[f32], block_sums: &[f32]) -> [f32; N] {
@@ -779,26 +1135,34 @@ mod tests {
         let q41 = random_q4_1(rows, cols, &mut rng);
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
         for m in all_storages(&q41, &mut rng) {
-            kernels_agree(&m, &dense(&m), &x, |_| 1e-4);
+            kernels_agree(&m, &dense(&m), &x, KQuantActivations::F32, |_| 1e-4);
         }
     }
 
     /// Every kernel's product of `m` with each row of `x`: a block of rows equals the rows one by one, bit for bit,
-    /// and each value lies within `tolerance(Σ |w x|)` of the exact product of `reference` (m's values).
-    fn kernels_agree(m: &Matrix, reference: &[f32], x: &[f32], tolerance: impl Fn(f64) -> f64) {
+    /// and each value lies within `tolerance(Σ |w x|)` of the exact product of `reference` (m's values) with the
+    /// activations the kernel sees: `x`, or its Q8_K values where K-quant rows take integer products.
+    fn kernels_agree(m: &Matrix, reference: &[f32], x: &[f32], activations: KQuantActivations, tolerance: impl Fn(f64) -> f64) {
         let (rows, cols) = (m.rows, m.cols);
         let n = x.len() / cols;
+        let seen: Vec<f32> = if m.is_k_quant() && activations == KQuantActivations::Q8 {
+            let mut q8 = Vec::new();
+            kquants::quantize_q8k(x, &mut q8);
+            q8.iter().flat_map(|b| b.qs.map(|q| b.d * q as f32)).collect()
+        } else {
+            x.to_vec()
+        };
         let mut scratch = MatmulScratch::default();
         for kernel in Kernel::available() {
             let mut block = vec![0.0; n * rows];
-            m.matmul_with(kernel, x, &mut block, &mut scratch);
+            m.matmul_with(kernel, activations, x, &mut block, &mut scratch);
             for b in 0..n {
                 let xb = &x[b * cols..(b + 1) * cols];
                 let mut single = vec![0.0; rows];
-                m.matmul_with(kernel, xb, &mut single, &mut scratch);
+                m.matmul_with(kernel, activations, xb, &mut single, &mut scratch);
                 assert_eq!(&block[b * rows..(b + 1) * rows], &single[..], "{} {kernel:?}: block row {b} differs", m.dtype_name());
                 for r in 0..rows {
-                    let terms = || (0..cols).map(|c| reference[r * cols + c] as f64 * xb[c] as f64);
+                    let terms = || (0..cols).map(|c| reference[r * cols + c] as f64 * seen[b * cols + c] as f64);
                     let (exact, scale) = (terms().sum::<f64>(), terms().map(f64::abs).sum::<f64>());
                     let got = single[r] as f64;
                     assert!((got - exact).abs() <= tolerance(scale), "{} {kernel:?} row {r}: {got} vs {exact}", m.dtype_name());
@@ -834,11 +1198,62 @@ mod tests {
             let ours = dense(&m);
             let worst = ours.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst < 1e-6, "{}: dequantized values differ from candle's by {worst}", m.dtype_name());
-            kernels_agree(&m, &reference, &x, |scale| 1e-5 * scale);
+            kernels_agree(&m, &reference, &x, KQuantActivations::F32, |scale| 1e-5 * scale);
+            kernels_agree(&m, &reference, &x, KQuantActivations::Q8, |scale| 1e-5 * scale);
             // The sliced head keeps K-quant rows as they are.
             let picked = m.select_rows(&[3, 17]);
             assert_eq!(dense(&picked), [&ours[3 * cols..4 * cols], &ours[17 * cols..18 * cols]].concat());
         }
+    }
+
+    #[test]
+    fn products_in_one_parallel_region_equal_each_product_alone() {
+        use candle_core::quantized::GgmlDType;
+        let mut rng = ChaCha8Rng::seed_from_u64(13);
+        let cols = 256;
+        // Row counts that make task chunks cross from one matrix into the next; enough work to run in parallel.
+        let q41 = random_q4_1(37, cols, &mut rng);
+        let w: Vec<f32> = (0..150 * cols).map(|_| rng.random_range(-0.1f32..0.1)).collect();
+        let (q6k, _) = candle_quantized(&w, 150, cols, GgmlDType::Q6K);
+        let f = Matrix { rows: 113, cols, storage: Storage::F32((0..113 * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect()) };
+        let mut scratch = MatmulScratch::default();
+        for n in [1, 5] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for kernel in Kernel::available() {
+                for activations in [KQuantActivations::F32, KQuantActivations::Q8] {
+                    let alone: Vec<Vec<f32>> = [&q41, &q6k, &f]
+                        .iter()
+                        .map(|m| {
+                            let mut out = vec![0.0; n * m.rows];
+                            m.matmul_with(kernel, activations, &x, &mut out, &mut scratch);
+                            out
+                        })
+                        .collect();
+                    let (mut a, mut b, mut c) = (vec![0.0; n * 37], vec![0.0; n * 150], vec![0.0; n * 113]);
+                    Matrix::matmul_many_with(kernel, activations, &x, &mut [(&q41, &mut a[..]), (&q6k, &mut b[..]), (&f, &mut c[..])], &mut scratch);
+                    assert_eq!([a, b, c], &alone[..], "{kernel:?} {activations:?}, {n} rows: together differs from alone");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_quantizes_activations_to_the_same_bits() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        // A block whose largest magnitude is 127 (scale exactly 1, so every x.5 is a tie), a zero block, a random one.
+        let ties = (0..QK_K).map(|i| if i == 0 { 127.0 } else { (i % 254) as f32 - 127.0 + 0.5 });
+        let random = (0..QK_K).map(|_| rng.random_range(-3.0f32..3.0));
+        let x: Vec<f32> = ties.chain(std::iter::repeat_n(0.0, QK_K)).chain(random).collect();
+        let mut reference = Vec::new();
+        kquants::quantize_q8k(&x, &mut reference);
+        for kernel in Kernel::available() {
+            let mut q = Vec::new();
+            quantize_q8k(kernel, &x, &mut q);
+            for (a, b) in q.iter().zip(&reference) {
+                assert!(a.d == b.d && a.qs == b.qs && a.bsums == b.bsums, "{kernel:?} quantizes differently");
+            }
+        }
+        assert_eq!(reference[0].qs[1..5], [-126, -124, -124, -122], "ties round to even");
     }
 
     #[test]
