@@ -95,19 +95,44 @@ impl Gguf {
         v.to_f32().or_else(|_| v.to_f64().map(|x| x as f32)).map_err(|e| anyhow!("{}: metadata key {key}: {e}", self.path.display()))
     }
 
-    fn raw(&self, name: &str) -> Result<(GgmlDType, Vec<usize>, Vec<u8>)> {
-        let info = self
-            .content
-            .tensor_infos
-            .get(name)
-            .ok_or_else(|| anyhow!("{}: tensor {name} is missing", self.path.display()))?;
+    /// Tensor `name`'s bytes read straight into values of `B` (`byte_len` bytes): loading never holds a tensor twice
+    /// (an 8B model's Q6_K embedding is ≈ 430 MB).
+    fn read<B: FileValue>(&self, name: &str, info: &candle_core::quantized::gguf_file::TensorInfo) -> Result<Vec<B>> {
+        let len = byte_len(info.ggml_dtype, info.shape.elem_count());
+        let size = std::mem::size_of::<B>();
+        if len % size != 0 {
+            bail!("{}: tensor {name} ({:?}) is not a whole number of its {size}-byte blocks", self.path.display(), info.ggml_dtype);
+        }
+        // SAFETY: FileValue types are plain old data for which the all-zero pattern is a valid value.
+        let mut values: Vec<B> = vec![unsafe { std::mem::zeroed() }; len / size];
+        // SAFETY: the vector's len / size values occupy exactly len initialized bytes, and any bytes make valid
+        // values of B (FileValue), so writing them through a byte view is sound.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr() as *mut u8, len) };
         let mut file = File::open(&self.path).with_context(|| format!("cannot open {}", self.path.display()))?;
-        let mut bytes = vec![0u8; byte_len(info.ggml_dtype, info.shape.elem_count())];
         file.seek(SeekFrom::Start(self.content.tensor_data_offset + info.offset))?;
-        file.read_exact(&mut bytes).with_context(|| format!("{}: reading tensor {name}", self.path.display()))?;
-        Ok((info.ggml_dtype, info.shape.dims().to_vec(), bytes))
+        file.read_exact(bytes).with_context(|| format!("{}: reading tensor {name}", self.path.display()))?;
+        Ok(values)
     }
 }
+
+/// A value stored in GGUF tensor data as it lies in memory here: its bytes, little-endian, with no padding, and any bit
+/// pattern (all zeros included) a valid value.
+///
+/// # Safety
+/// Implement only for types made of f32, f16, u8 and i8 fields in `repr(C)` without padding.
+unsafe trait FileValue: Copy {}
+// SAFETY: each is f32 or f16, or a repr(C) struct of f16s and u8/i8 arrays whose size is the sum of its fields' (ggml's
+// block sizes 18, 20, 34, 144, 176, 210).
+unsafe impl FileValue for f32 {}
+unsafe impl FileValue for f16 {}
+unsafe impl FileValue for BlockQ4_0 {}
+unsafe impl FileValue for BlockQ4_1 {}
+unsafe impl FileValue for BlockQ8_0 {}
+unsafe impl FileValue for kquants::BlockQ4K {}
+unsafe impl FileValue for kquants::BlockQ5K {}
+unsafe impl FileValue for kquants::BlockQ6K {}
+// GGUF data is little-endian and read as it lies.
+const _: () = assert!(cfg!(target_endian = "little"), "frspec reads GGUF tensors in place: little-endian hosts only");
 
 /// The `general.alignment` a GGUF header declares, read before candle's reader, which divides by it unchecked.
 /// Walks the metadata as the format lays it out (v1 counts and lengths are u32, later ones u64), bounded by the
@@ -199,10 +224,6 @@ fn byte_len(dtype: GgmlDType, elems: usize) -> usize {
     elems / dtype.block_size() * dtype.type_size()
 }
 
-fn f16_at(b: &[u8], i: usize) -> f16 {
-    f16::from_le_bytes([b[i], b[i + 1]])
-}
-
 impl WeightSource for Gguf {
     fn path(&self) -> &Path {
         &self.path
@@ -213,31 +234,23 @@ impl WeightSource for Gguf {
     }
 
     fn matrix(&self, name: &str) -> Result<Matrix> {
-        let (dtype, dims, bytes) = self.raw(name)?;
-        let [rows, cols] = dims[..] else {
-            bail!("{}: tensor {name} has shape {dims:?}, expected 2 dimensions", self.path.display())
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| anyhow!("{}: tensor {name} is missing", self.path.display()))?;
+        let [rows, cols] = info.shape.dims()[..] else {
+            bail!("{}: tensor {name} has shape {:?}, expected 2 dimensions", self.path.display(), info.shape.dims())
         };
-        let storage = match dtype {
-            GgmlDType::F32 => Storage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()),
-            GgmlDType::F16 => Storage::F16(bytes.chunks_exact(2).map(|c| f16_at(c, 0)).collect()),
-            GgmlDType::Q4_0 => Storage::Q4_0(
-                bytes.chunks_exact(18).map(|c| BlockQ4_0 { d: f16_at(c, 0), qs: c[2..18].try_into().unwrap() }).collect(),
-            ),
-            GgmlDType::Q4_1 => Storage::Q4_1(
-                bytes
-                    .chunks_exact(20)
-                    .map(|c| BlockQ4_1 { d: f16_at(c, 0), m: f16_at(c, 2), qs: c[4..20].try_into().unwrap() })
-                    .collect(),
-            ),
-            GgmlDType::Q8_0 => Storage::Q8_0(
-                bytes
-                    .chunks_exact(34)
-                    .map(|c| BlockQ8_0 { d: f16_at(c, 0), qs: std::array::from_fn(|i| c[2 + i] as i8) })
-                    .collect(),
-            ),
-            GgmlDType::Q4K => Storage::Q4K(kquants::parse(&bytes)),
-            GgmlDType::Q5K => Storage::Q5K(kquants::parse(&bytes)),
-            GgmlDType::Q6K => Storage::Q6K(kquants::parse(&bytes)),
+        let storage = match info.ggml_dtype {
+            GgmlDType::F32 => Storage::F32(self.read(name, info)?),
+            GgmlDType::F16 => Storage::F16(self.read(name, info)?),
+            GgmlDType::Q4_0 => Storage::Q4_0(self.read(name, info)?),
+            GgmlDType::Q4_1 => Storage::Q4_1(self.read(name, info)?),
+            GgmlDType::Q8_0 => Storage::Q8_0(self.read(name, info)?),
+            GgmlDType::Q4K => Storage::Q4K(self.read(name, info)?),
+            GgmlDType::Q5K => Storage::Q5K(self.read(name, info)?),
+            GgmlDType::Q6K => Storage::Q6K(self.read(name, info)?),
             // Other ggml types have no kernel of ours: dequantize once with candle and run them as f32.
             other => {
                 note_f32_speed(other);
