@@ -183,7 +183,7 @@ fn a_model_of_k_quants_only_scores_like_its_dequantized_twin() {
 
     // Default: Q8_K activations and integer sums, as llama.cpp. Rounding activations to 8 bits moves these logits
     // as far as it moves llama.cpp's: on llama.cpp's own Q4_K_M of this model, along these tokens, llama.cpp agrees
-    // with the f32 twin at 360 of 399 positions, mean |Δlogit| 0.44 (results/bench/kquants-vs-llamacpp.md). A wrong
+    // with the f32 twin at 360 of 399 positions, mean |Δlogit| 0.44 (results/numerics/kquants.md). A wrong
     // scale, offset or layout lands far outside these bounds.
     let k = frspec::score::score(&k_model, &tokens).unwrap();
     let (agree, worst, mean) = compare(&k, &twin);

@@ -55,24 +55,51 @@ pub fn scale_min(j: usize, q: &[u8; 12]) -> (f32, f32) {
     }
 }
 
-impl SuperBlock for BlockQ4K {
+/// Q4_K and Q5_K: each value `d · sc · q − dmin · m` with a 6-bit scale and min per sub-block of 32.
+pub trait ScaleMinBlock {
+    /// `d`, `dmin` and the 12 bytes of packed scales and mins.
+    fn header(&self) -> (f16, f16, &[u8; 12]);
+    /// Value `l` (0..32) of sub-block `s` as its unsigned integer `q`.
+    fn q(&self, s: usize, l: usize) -> u8;
+}
+
+impl ScaleMinBlock for BlockQ4K {
+    fn header(&self) -> (f16, f16, &[u8; 12]) {
+        (self.d, self.dmin, &self.scales)
+    }
+
     /// Sub-block s holds the low (even s) or high (odd s) nibbles of bytes 32·(s/2) .. 32·(s/2) + 32.
+    fn q(&self, s: usize, l: usize) -> u8 {
+        (self.qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f
+    }
+}
+
+impl ScaleMinBlock for BlockQ5K {
+    fn header(&self) -> (f16, f16, &[u8; 12]) {
+        (self.d, self.dmin, &self.scales)
+    }
+
+    /// As Q4_K, with bit s of `qh[l]` as each value's fifth bit.
+    fn q(&self, s: usize, l: usize) -> u8 {
+        ((self.qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f) | (((self.qh[l] >> s) & 1) << 4)
+    }
+}
+
+fn scale_min_sub_block(b: &impl ScaleMinBlock, s: usize) -> ([f32; 32], f32, f32) {
+    let (d, dmin, scales) = b.header();
+    let (sc, m) = scale_min(s, scales);
+    (std::array::from_fn(|l| b.q(s, l) as f32), d.to_f32() * sc, -dmin.to_f32() * m)
+}
+
+impl SuperBlock for BlockQ4K {
     fn sub_block(&self, s: usize) -> ([f32; 32], f32, f32) {
-        let (sc, m) = scale_min(s, &self.scales);
-        let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
-        let shift = 4 * (s % 2);
-        (std::array::from_fn(|l| ((bytes[l] >> shift) & 0x0f) as f32), self.d.to_f32() * sc, -self.dmin.to_f32() * m)
+        scale_min_sub_block(self, s)
     }
 }
 
 impl SuperBlock for BlockQ5K {
-    /// As Q4_K, with bit s of `qh[l]` as each value's fifth bit.
     fn sub_block(&self, s: usize) -> ([f32; 32], f32, f32) {
-        let (sc, m) = scale_min(s, &self.scales);
-        let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
-        let shift = 4 * (s % 2);
-        let v = std::array::from_fn(|l| (((bytes[l] >> shift) & 0x0f) | (((self.qh[l] >> s) & 1) << 4)) as f32);
-        (v, self.d.to_f32() * sc, -self.dmin.to_f32() * m)
+        scale_min_sub_block(self, s)
     }
 }
 
@@ -161,33 +188,22 @@ pub fn mins_term(mins: &[u8; SUBS], a: &BlockQ8K) -> i32 {
     (0..SUBS).map(|j| mins[j] as i32 * (a.bsums[2 * j] as i32 + a.bsums[2 * j + 1] as i32)).sum()
 }
 
+fn scale_min_dot(b: &impl ScaleMinBlock, a: &BlockQ8K) -> f32 {
+    let (d, dmin, scales) = b.header();
+    let (sc, mins) = scales_mins(scales);
+    let scaled = (0..SUBS).map(|s| sc[s] as i32 * (0..32).map(|l| b.q(s, l) as i32 * a.qs[32 * s + l] as i32).sum::<i32>()).sum();
+    combine(d.to_f32(), dmin.to_f32(), a.d, scaled, mins_term(&mins, a))
+}
+
 impl IntegerDot for BlockQ4K {
     fn dot_q8k(&self, a: &BlockQ8K) -> f32 {
-        let (sc, mins) = scales_mins(&self.scales);
-        let scaled = (0..SUBS)
-            .map(|s| {
-                let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
-                let q: i32 = (0..32).map(|l| ((bytes[l] >> (4 * (s % 2))) & 0x0f) as i32 * a.qs[32 * s + l] as i32).sum();
-                sc[s] as i32 * q
-            })
-            .sum();
-        combine(self.d.to_f32(), self.dmin.to_f32(), a.d, scaled, mins_term(&mins, a))
+        scale_min_dot(self, a)
     }
 }
 
 impl IntegerDot for BlockQ5K {
     fn dot_q8k(&self, a: &BlockQ8K) -> f32 {
-        let (sc, mins) = scales_mins(&self.scales);
-        let scaled = (0..SUBS)
-            .map(|s| {
-                let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
-                let q: i32 = (0..32)
-                    .map(|l| ((((bytes[l] >> (4 * (s % 2))) & 0x0f) | (((self.qh[l] >> s) & 1) << 4)) as i32) * a.qs[32 * s + l] as i32)
-                    .sum();
-                sc[s] as i32 * q
-            })
-            .sum();
-        combine(self.d.to_f32(), self.dmin.to_f32(), a.d, scaled, mins_term(&mins, a))
+        scale_min_dot(self, a)
     }
 }
 

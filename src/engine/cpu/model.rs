@@ -497,7 +497,7 @@ impl Model {
     /// Each sequence's outputs are what `forward` gives it alone, bit for bit: every output is one dot product in
     /// a fixed order, whatever the rows beside it.
     pub fn forward_sequences(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
-        crate::engine::cpu::tensor::pool().install(|| self.forward_in_pool(tokens, caches, rows, logit_rows, capture_layers))
+        crate::engine::cpu::tensor::with_pool_awake(|| self.forward_in_pool(tokens, caches, rows, logit_rows, capture_layers))
     }
 
     fn forward_in_pool(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {

@@ -332,6 +332,53 @@ pub fn pool() -> &'static rayon::ThreadPool {
     POOL.get_or_init(|| rayon::ThreadPoolBuilder::new().thread_name(|i| format!("frspec-{i}")).build().expect("thread pool"))
 }
 
+/// Runs `f` on the pool (as `pool().install`) with the pool's other threads kept awake until it returns: each polls
+/// for work (`rayon::yield_now`) instead of going to sleep between two products. On a virtual machine a sleeping thread
+/// halts its virtual CPU, and a decode step wakes it for each of its ~120 parallel regions: one thread ran as fast as
+/// llama.cpp's one thread, two ran slower than llama.cpp's two until they were kept awake
+/// (`results/bench/kquants-2026-12-01.md`). The waiting threads yield to any other runnable thread, and hold their
+/// cores only while a forward pass runs.
+pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    /// Sets the flag however `f` ends, so that a panic in `f` cannot leave the spinners spinning.
+    struct Done<'a>(&'a AtomicBool);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    fn spin(done: &AtomicBool, others: usize) {
+        if others == 0 {
+            return;
+        }
+        // One spinner here and the rest handed on: `join` lets an idle thread take the second half.
+        rayon::join(
+            || {
+                while !done.load(Ordering::Acquire) {
+                    // Idle: give the core to any other runnable thread (tests run side by side, a user's other
+                    // work); with none, the call returns at once and the virtual CPU stays up.
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::thread::yield_now();
+                    }
+                }
+            },
+            || spin(done, others - 1),
+        );
+    }
+    let done = AtomicBool::new(false);
+    let others = pool().current_num_threads() - 1;
+    pool().install(|| {
+        rayon::join(
+            || {
+                let _done = Done(&done);
+                f()
+            },
+            || spin(&done, others),
+        )
+        .0
+    })
+}
+
 /// Buffers `Matrix::matmul` reuses so the decode loop does not allocate per token.
 #[derive(Default)]
 pub struct MatmulScratch {
@@ -341,9 +388,10 @@ pub struct MatmulScratch {
 }
 
 /// How K-quant rows meet their activations, chosen once per process (`FRSPEC_KQUANT_ACTIVATIONS=f32|q8`).
-/// `Q8` (the default) quantizes each activation row to ggml's Q8_K and sums in integers, as llama.cpp does: that is
-/// what reaches llama.cpp's speed (`results/bench/kquants-vs-llamacpp.md`). `F32` keeps activations exact, as for
-/// every other weight type: slower, but its products follow an f32 reference of the dequantized weights to 1e-5.
+/// `Q8` (the default) quantizes each activation row to ggml's Q8_K and sums in integers, as llama.cpp does: ≈ 4× the
+/// speed of `F32`, llama.cpp's speed and llama.cpp's accuracy (`results/bench/decode-vs-llamacpp-*.Q4_K_M.md`,
+/// `results/numerics/kquants.md`). `F32` keeps activations exact, as for every other weight type: its logits follow
+/// an f32 reference of the dequantized weights to 1e-4.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KQuantActivations {
     F32,
@@ -573,7 +621,7 @@ fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::kquants::{scale_min, scales_mins, IntegerDot};
+    use super::kquants::{scale_min, scales_mins, IntegerDot, ScaleMinBlock};
     use super::{BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, SuperBlock, QK, QK_K, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
@@ -799,8 +847,7 @@ mod avx2 {
     }
 
     /// Q4_K and Q5_K super-blocks as the integer kernel reads them.
-    pub trait Q4Like {
-        fn header(&self) -> (f16, f16, &[u8; 12]);
+    pub trait Q4Like: ScaleMinBlock {
         /// Values 64c .. 64c + 64 as unsigned bytes: sub-block 2c, then 2c + 1.
         /// # Safety
         /// Only on a CPU with avx2.
@@ -808,10 +855,6 @@ mod avx2 {
     }
 
     impl Q4Like for BlockQ4K {
-        fn header(&self) -> (f16, f16, &[u8; 12]) {
-            (self.d, self.dmin, &self.scales)
-        }
-
         /// Sub-block 2c is the low nibbles of bytes 32c .. 32c + 32, sub-block 2c + 1 their high nibbles.
         #[inline]
         #[target_feature(enable = "avx2")]
@@ -822,10 +865,6 @@ mod avx2 {
     }
 
     impl Q4Like for BlockQ5K {
-        fn header(&self) -> (f16, f16, &[u8; 12]) {
-            (self.d, self.dmin, &self.scales)
-        }
-
         /// As Q4_K, with bit s of each qh byte as the fifth bit (16) of that value of sub-block s.
         #[inline]
         #[target_feature(enable = "avx2")]
