@@ -228,7 +228,9 @@ impl IntegerDot for BlockQ6K {
     }
 }
 
-/// Super-blocks from GGUF tensor bytes (little-endian, `size_of::<B>()` bytes each).
+/// Super-blocks from GGUF tensor bytes (little-endian, `size_of::<B>()` bytes each). Tests only: loading reads
+/// blocks in place (`loading::weights`).
+#[cfg(test)]
 pub fn parse<B: SuperBlock>(bytes: &[u8]) -> Vec<B> {
     let size = std::mem::size_of::<B>();
     bytes
