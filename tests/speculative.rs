@@ -530,8 +530,9 @@ fn batched_sweep<'t, T: TargetModel>(target: &'t T, drafts: Vec<Box<dyn Draft<T>
 #[test]
 fn batched_sweeps_give_every_record_of_one_sequence_at_a_time_on_both_engines() {
     let t = smollm2();
-    // Questions 83–85: SmolLM2 ends some of its sampled answers to them before 128 tokens.
-    let questions = frspec::text::dataset::load("mt-bench").unwrap()[2..5].to_vec();
+    // Questions 81–83: SmolLM2 ends some of its sampled answers to them before 128 tokens (which ones depends on
+    // the kernels' rounding; the assertion below says so if a kernel change makes them all end alike).
+    let questions = frspec::text::dataset::load("mt-bench").unwrap()[..3].to_vec();
     let plan = Plan { ratios: vec![0.0, 0.9], temperatures: vec![0.0, 1.0], top_p: 1.0, repeats: 2, seed: 0, k: 4, turns: 1, max_new_tokens: 128, mode: DraftMode::Argmax };
     let load = || frspec::engine::cpu::draft::load(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap();
     let on_cpu = |batch: usize| batched_sweep(&t.model, (0..batch).map(|_| load().boxed()).collect(), &questions, &plan);
@@ -539,7 +540,8 @@ fn batched_sweeps_give_every_record_of_one_sequence_at_a_time_on_both_engines() 
     assert_eq!(one.len(), 2 * 2 * 2 * 3, "ratios × temperatures × repeats × prompts");
     let sampled: Vec<&Run> = one.iter().filter(|r| r.temperature == 1.0).collect();
     // Turns that end at different lengths share batches, and drafts are accepted: the comparison is not vacuous.
-    assert!(sampled.iter().any(|r| r.record.stop == Some(StopReason::EndOfTurn)) && sampled.iter().any(|r| r.record.stop == Some(StopReason::MaxTokens)));
+    let ends = |stop| sampled.iter().filter(|r| r.record.stop == Some(stop)).count();
+    assert!(ends(StopReason::EndOfTurn) > 0 && ends(StopReason::MaxTokens) > 0, "pick questions whose sampled turns end both ways: {} end of turn, {} max tokens", ends(StopReason::EndOfTurn), ends(StopReason::MaxTokens));
     assert!(one.iter().filter(|r| r.record.accepted > 0).count() > one.len() / 2);
     let sorted = |mut runs: Vec<Run>| {
         runs.sort_by(|a, b| (a.temperature, a.ratio, a.prompt_index, a.repeat).partial_cmp(&(b.temperature, b.ratio, b.prompt_index, b.repeat)).unwrap());

@@ -246,7 +246,7 @@ pub fn dequantize<B: SuperBlock>(blocks: &[B], out: &mut [f32]) {
     for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         for (s, o) in o.chunks_exact_mut(32).enumerate() {
             let (v, scale, offset) = b.sub_block(s);
-            o.iter_mut().zip(v).for_each(|(o, v)| *o = scale * v + offset);
+            o.iter_mut().zip(v).for_each(|(o, v)| *o = scale.mul_add(v, offset));
         }
     }
 }

@@ -51,6 +51,45 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK],
 }
 
+/// A block of 32 weights in its GGUF layout, and the f32 values it stands for: the one definition of a weight
+/// that every kernel multiplies by (the vector kernels compute the same values with the same operations).
+pub trait Block: Copy + Send + Sync {
+    fn values(&self) -> [f32; QK];
+}
+
+/// Value l of a 4-bit block: elements 0..16 are the low nibbles, 16..32 the high ones.
+fn nibble(qs: &[u8; QK / 2], l: usize) -> f32 {
+    (if l < QK / 2 { qs[l] & 0x0f } else { qs[l - QK / 2] >> 4 }) as f32
+}
+
+impl Block for BlockQ4_0 {
+    fn values(&self) -> [f32; QK] {
+        let d = self.d.to_f32();
+        std::array::from_fn(|l| d * (nibble(&self.qs, l) - 8.0))
+    }
+}
+
+impl Block for BlockQ4_1 {
+    /// `d · q + m` in one rounding (a fused multiply-add), as the vector kernels compute it.
+    fn values(&self) -> [f32; QK] {
+        let (d, m) = (self.d.to_f32(), self.m.to_f32());
+        std::array::from_fn(|l| d.mul_add(nibble(&self.qs, l), m))
+    }
+}
+
+impl Block for BlockQ8_0 {
+    fn values(&self) -> [f32; QK] {
+        let d = self.d.to_f32();
+        self.qs.map(|q| d * q as f32)
+    }
+}
+
+fn blocks_into(blocks: &[impl Block], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        o.copy_from_slice(&b.values());
+    }
+}
+
 /// A `[rows, cols]` matrix; `y = W x` for each activation row x.
 #[derive(Clone)]
 pub struct Matrix {
@@ -102,30 +141,9 @@ impl Matrix {
         match &self.storage {
             Storage::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
             Storage::F16(v) => out.iter_mut().zip(&v[r * c..(r + 1) * c]).for_each(|(o, w)| *o = w.to_f32()),
-            Storage::Q4_0(v) => {
-                for (b, o) in v[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
-                    let d = b.d.to_f32();
-                    for j in 0..QK / 2 {
-                        o[j] = d * ((b.qs[j] & 0x0f) as f32 - 8.0);
-                        o[j + QK / 2] = d * ((b.qs[j] >> 4) as f32 - 8.0);
-                    }
-                }
-            }
-            Storage::Q4_1(v) => {
-                for (b, o) in v[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
-                    let (d, m) = (b.d.to_f32(), b.m.to_f32());
-                    for j in 0..QK / 2 {
-                        o[j] = d * (b.qs[j] & 0x0f) as f32 + m;
-                        o[j + QK / 2] = d * (b.qs[j] >> 4) as f32 + m;
-                    }
-                }
-            }
-            Storage::Q8_0(v) => {
-                for (b, o) in v[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
-                    let d = b.d.to_f32();
-                    o.iter_mut().zip(b.qs).for_each(|(o, q)| *o = d * q as f32);
-                }
-            }
+            Storage::Q4_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
+            Storage::Q4_1(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
+            Storage::Q8_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
             Storage::Q4K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q5K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q6K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
@@ -154,7 +172,7 @@ impl Matrix {
     /// `out[b, r] = dot(W[r], x[b])` for `n = x.len() / cols` activation rows. Each weight row is unpacked once
     /// for up to `GROUP` activation rows at a time; each output still follows the exact operation sequence of a
     /// one-row product, so a block equals its rows done one by one, bit for bit.
-    /// `scratch` holds per-block activation sums (Q4_1) and the transposed result; it is reused between calls.
+    /// `scratch` holds the quantized activations (K-quants) and the transposed result; it is reused between calls.
     pub fn matmul(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
         Matrix::matmul_many(x, &mut [(self, out)], scratch)
     }
@@ -180,17 +198,13 @@ impl Matrix {
         let n = x.len() / cols;
         debug_assert_eq!(x.len(), n * cols);
         debug_assert!(products.iter().all(|(m, out)| m.cols == cols && out.len() == n * m.rows));
-        scratch.block_sums.clear();
         scratch.q8.clear();
         let integer = activations == KQuantActivations::Q8;
         if products.iter().any(|(m, _)| m.is_k_quant() && integer) {
             // Each activation row is quantized on its own, so a row's products never depend on the others'.
             quantize_q8k(kernel, x, &mut scratch.q8);
         }
-        if products.iter().any(|(m, _)| matches!(m.storage, Storage::Q4_1(_)) || (m.is_k_quant() && !integer)) {
-            scratch.block_sums.extend(x.chunks_exact(QK).map(|c| c.iter().sum::<f32>()));
-        }
-        let (sums, q8) = (&scratch.block_sums, &scratch.q8);
+        let q8 = &scratch.q8;
         // The matrices' rows, stacked, are split into chunks, one task each; the result is written row-major
         // [rows, n] then transposed, so each task owns a contiguous slice of the output. A chunk may cover the end
         // of one matrix and the start of the next.
@@ -208,7 +222,7 @@ impl Matrix {
             for (start, m) in matrices() {
                 let (from, to) = (first.max(start), end.min(start + m.rows));
                 if from < to {
-                    m.rows_into(kernel, from - start..to - start, x, sums, q8, &mut chunk[(from - first) * n..(to - first) * n]);
+                    m.rows_into(kernel, from - start..to - start, x, q8, &mut chunk[(from - first) * n..(to - first) * n]);
                 }
             }
         };
@@ -232,18 +246,17 @@ impl Matrix {
     /// one group of activation rows at a time: the group stays in L1 and the tile in L2 however many rows the batch
     /// has (all rows against every weight row overflow L1 past about 20 rows of 576 and ran a batch of verification
     /// blocks 1.5× slower than the blocks one by one).
-    fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], sums: &[f32], q8: &[BlockQ8K], out: &mut [f32]) {
+    fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], out: &mut [f32]) {
         let n = x.len() / self.cols;
-        let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
+        let nk = self.superblocks_per_row();
         for tile in rows.clone().step_by(ROW_TILE) {
             let end = (tile + ROW_TILE).min(rows.end);
             let mut b = 0;
             while b < n {
                 let g = (n - b).min(GROUP);
                 let xs = &x[b * self.cols..(b + g) * self.cols];
-                let ss = if sums.is_empty() { sums } else { &sums[b * nb..(b + g) * nb] };
                 let qs = if q8.is_empty() || !self.is_k_quant() { &q8[..0] } else { &q8[b * nk..(b + g) * nk] };
-                self.tile_dots(kernel, tile..end, xs, ss, qs, &mut out[(tile - rows.start) * n + b..], n, g);
+                self.tile_dots(kernel, tile..end, xs, qs, &mut out[(tile - rows.start) * n + b..], n, g);
                 b += g;
             }
         }
@@ -251,8 +264,7 @@ impl Matrix {
 
     /// Dots of the weight rows `rows` with each of the `g` (≤ GROUP) activation rows in `x` (in `q8` instead, as
     /// Q8_K blocks, when K-quant rows take integer products): row r's go to `out[(r − rows.start) · stride..][..g]`.
-    #[allow(clippy::too_many_arguments)]
-    fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], block_sums: &[f32], q8: &[BlockQ8K], out: &mut [f32], stride: usize, g: usize) {
+    fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], out: &mut [f32], stride: usize, g: usize) {
         let nk = self.superblocks_per_row();
         // Integer K-quant products take a whole tile per call: their rows are short (3 super-blocks at d = 768)
         // and a call per row cost a fifth of decode.
@@ -278,7 +290,7 @@ impl Matrix {
             _ => {
                 for r in rows.clone() {
                     let at = (r - rows.start) * stride;
-                    self.row_dots(kernel, r, x, block_sums, &mut out[at..at + g]);
+                    self.row_dots(kernel, r, x, &mut out[at..at + g]);
                 }
             }
         }
@@ -286,7 +298,7 @@ impl Matrix {
 
     /// Dots of row `r` with each of the `out.len()` (≤ GROUP) f32 activation rows in `x`.
     #[inline]
-    fn row_dots(&self, kernel: Kernel, r: usize, x: &[f32], block_sums: &[f32], out: &mut [f32]) {
+    fn row_dots(&self, kernel: Kernel, r: usize, x: &[f32], out: &mut [f32]) {
         let (c, nb, nk) = (self.cols, self.blocks_per_row(), self.superblocks_per_row());
         macro_rules! group {
             ($f:ident, $($arg:expr),*) => {
@@ -303,14 +315,14 @@ impl Matrix {
             };
         }
         match &self.storage {
-            Storage::F32(v) => group!(dots_f32, &v[r * c..(r + 1) * c], x, block_sums),
-            Storage::F16(v) => group!(dots_f16, &v[r * c..(r + 1) * c], x, block_sums),
-            Storage::Q4_0(v) => group!(dots_q4_0, &v[r * nb..(r + 1) * nb], x, block_sums),
-            Storage::Q4_1(v) => group!(dots_q4_1, &v[r * nb..(r + 1) * nb], x, block_sums),
-            Storage::Q8_0(v) => group!(dots_q8_0, &v[r * nb..(r + 1) * nb], x, block_sums),
-            Storage::Q4K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x, block_sums),
-            Storage::Q5K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x, block_sums),
-            Storage::Q6K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x, block_sums),
+            Storage::F32(v) => group!(dots_f32, &v[r * c..(r + 1) * c], x),
+            Storage::F16(v) => group!(dots_f16, &v[r * c..(r + 1) * c], x),
+            Storage::Q4_0(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
+            Storage::Q4_1(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
+            Storage::Q8_0(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
+            Storage::Q4K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
+            Storage::Q5K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
+            Storage::Q6K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
         }
     }
 }
@@ -382,7 +394,6 @@ pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 /// Buffers `Matrix::matmul` reuses so the decode loop does not allocate per token.
 #[derive(Default)]
 pub struct MatmulScratch {
-    block_sums: Vec<f32>,
     q8: Vec<BlockQ8K>,
     transposed: Vec<f32>,
 }
@@ -460,7 +471,7 @@ impl Kernel {
 
 /// Dot product of two f32 slices, with the same arithmetic as a weight row of f32 storage.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    dots_f32::<1>(Kernel::detect(), a, b, &[])[0]
+    dots_f32::<1>(Kernel::detect(), a, b)[0]
 }
 
 /// Returns the AVX-512 or AVX2 version of a block kernel when the process runs one.
@@ -480,7 +491,7 @@ macro_rules! vectorized {
 // Each `dots_*::<N>` computes N dot products of one weight row with N consecutive activation rows of `x`.
 // Output j depends only on the row and x[j], through the same operations for every N.
 
-fn dots_f32<const N: usize>(kernel: Kernel, w: &[f32], x: &[f32], _: &[f32]) -> [f32; N] {
+fn dots_f32<const N: usize>(kernel: Kernel, w: &[f32], x: &[f32]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
         // SAFETY: these kernels are only chosen when the CPU reports avx2, fma and f16c.
@@ -490,7 +501,7 @@ fn dots_f32<const N: usize>(kernel: Kernel, w: &[f32], x: &[f32], _: &[f32]) -> 
     std::array::from_fn(|j| scalar_lanes(w.len(), |i| w[i] * x[j * w.len() + i]))
 }
 
-fn dots_f16<const N: usize>(kernel: Kernel, w: &[f16], x: &[f32], _: &[f32]) -> [f32; N] {
+fn dots_f16<const N: usize>(kernel: Kernel, w: &[f16], x: &[f32]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
         // SAFETY: as above.
@@ -500,51 +511,21 @@ fn dots_f16<const N: usize>(kernel: Kernel, w: &[f16], x: &[f32], _: &[f32]) -> 
     std::array::from_fn(|j| scalar_lanes(w.len(), |i| w[i].to_f32() * x[j * w.len() + i]))
 }
 
-fn dots_q4_0<const N: usize>(kernel: Kernel, w: &[BlockQ4_0], x: &[f32], _: &[f32]) -> [f32; N] {
-    vectorized!(kernel, dots_q4_0(w, x));
-    let _ = kernel;
-    let cols = w.len() * QK;
-    std::array::from_fn(|j| {
-        w.iter()
-            .zip(x[j * cols..(j + 1) * cols].chunks_exact(QK))
-            .map(|(b, xs)| {
-                let s: f32 = (0..QK / 2)
-                    .map(|i| ((b.qs[i] & 0x0f) as f32 - 8.0) * xs[i] + ((b.qs[i] >> 4) as f32 - 8.0) * xs[i + QK / 2])
-                    .sum();
-                b.d.to_f32() * s
-            })
-            .sum()
-    })
-}
+/// A block type with its vector dequantization where the architecture has one.
+#[cfg(target_arch = "x86_64")]
+trait VBlock: Block + avx2::Dequantize + avx512::Dequantize {}
+#[cfg(target_arch = "x86_64")]
+impl<B: Block + avx2::Dequantize + avx512::Dequantize> VBlock for B {}
+#[cfg(not(target_arch = "x86_64"))]
+trait VBlock: Block {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<B: Block> VBlock for B {}
 
-fn dots_q4_1<const N: usize>(kernel: Kernel, w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-    vectorized!(kernel, dots_q4_1(w, x, block_sums));
+/// Block-quantized rows: each block's weights (`Block::values`) times the activations, as for an f32 row.
+fn dots_blocks<const N: usize>(kernel: Kernel, w: &[impl VBlock], x: &[f32]) -> [f32; N] {
+    vectorized!(kernel, dots_blocks(w, x));
     let _ = kernel;
-    let cols = w.len() * QK;
-    // Σ (d q + m) x = d Σ q x + m Σ x, with Σ x per block computed once per activation row.
-    std::array::from_fn(|j| {
-        w.iter()
-            .zip(x[j * cols..(j + 1) * cols].chunks_exact(QK))
-            .zip(&block_sums[j * w.len()..(j + 1) * w.len()])
-            .map(|((b, xs), s)| {
-                let qx: f32 =
-                    (0..QK / 2).map(|i| (b.qs[i] & 0x0f) as f32 * xs[i] + (b.qs[i] >> 4) as f32 * xs[i + QK / 2]).sum();
-                b.d.to_f32() * qx + b.m.to_f32() * s
-            })
-            .sum()
-    })
-}
-
-fn dots_q8_0<const N: usize>(kernel: Kernel, w: &[BlockQ8_0], x: &[f32], _: &[f32]) -> [f32; N] {
-    vectorized!(kernel, dots_q8_0(w, x));
-    let _ = kernel;
-    let cols = w.len() * QK;
-    std::array::from_fn(|j| {
-        w.iter()
-            .zip(x[j * cols..(j + 1) * cols].chunks_exact(QK))
-            .map(|(b, xs)| b.d.to_f32() * b.qs.iter().zip(xs).map(|(q, x)| *q as f32 * x).sum::<f32>())
-            .sum()
-    })
+    scalar_chunks(w.len(), x, |i| w[i].values())
 }
 
 /// A K-quant super-block with its vector unpacking and integer products where the architecture has them.
@@ -557,23 +538,30 @@ trait KBlock: SuperBlock + kquants::IntegerDot {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<B: SuperBlock + kquants::IntegerDot> KBlock for B {}
 
-/// K-quant rows: per sub-block of 32, scale · Σ v x + offset · Σ x (Σ x from `block_sums`, computed once per
-/// activation row, as for Q4_1).
-fn dots_k<const N: usize>(kernel: Kernel, w: &[impl KBlock], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-    vectorized!(kernel, dots_k(w, x, block_sums));
+/// K-quant rows with f32 activations: each sub-block of 32 as its weights `scale · v + offset` (one rounding, as
+/// `kquants::dequantize`), then as any other block.
+fn dots_k<const N: usize>(kernel: Kernel, w: &[impl KBlock], x: &[f32]) -> [f32; N] {
+    vectorized!(kernel, dots_k(w, x));
     let _ = kernel;
-    let (cols, subs) = (w.len() * QK_K, w.len() * SUBS);
-    std::array::from_fn(|j| {
-        (0..subs)
-            .map(|i| {
-                let (v, scale, offset) = w[i / SUBS].sub_block(i % SUBS);
-                let xs = &x[j * cols + i * QK..j * cols + (i + 1) * QK];
-                let vx: f32 = v.iter().zip(xs).map(|(v, x)| v * x).sum();
-                let sum = if offset != 0.0 { offset * block_sums[j * subs + i] } else { 0.0 };
-                scale * vx + sum
-            })
-            .sum()
+    scalar_chunks(w.len() * SUBS, x, |i| {
+        let (v, scale, offset) = w[i / SUBS].sub_block(i % SUBS);
+        v.map(|v| scale.mul_add(v, offset))
     })
+}
+
+/// The scalar fallback over a row of `chunks` runs of 32 weights (`weights(i)` is run i), in eight lanes.
+fn scalar_chunks<const N: usize>(chunks: usize, x: &[f32], weights: impl Fn(usize) -> [f32; QK]) -> [f32; N] {
+    let cols = chunks * QK;
+    let mut lanes = [[0f32; 8]; N];
+    for i in 0..chunks {
+        let w = weights(i);
+        for (j, lanes) in lanes.iter_mut().enumerate() {
+            for (t, (w, x)) in w.iter().zip(&x[j * cols + i * QK..j * cols + (i + 1) * QK]).enumerate() {
+                lanes[t % 8] += w * x;
+            }
+        }
+    }
+    lanes.map(|l| l.iter().sum())
 }
 
 /// `kquants::quantize_q8k`, with vector instructions where the kernel has them (the same bits).
@@ -622,7 +610,7 @@ fn scalar_lanes(n: usize, term: impl Fn(usize) -> f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::kquants::{scale_min, scales_mins, IntegerDot, ScaleMinBlock};
-    use super::{BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, SuperBlock, QK, QK_K, SUBS};
+    use super::{Block, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, SuperBlock, QK, QK_K, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -700,73 +688,130 @@ mod avx2 {
         ]
     }
 
+    /// An f16 in every lane (see `avx512::splat`: a scalar conversion may chain blocks through an accumulator).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn splat(h: f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_set1_epi16(h.to_bits() as i16))
+    }
+
     /// The 32 signed bytes of a Q8_0 block as four vectors of 8 f32.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn bytes(qs: &[i8; QK]) -> [__m256; 4] {
-        let p = qs.as_ptr();
-        std::array::from_fn(|k| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * k) as *const __m128i))))
+        let p = qs.as_ptr() as *const __m128i;
+        let (lo, hi) = (_mm_loadu_si128(p), _mm_loadu_si128(p.add(1)));
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
+        ]
     }
 
-    /// Σ q_i x_i over one block, q given as four 8-lane vectors.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn block_qx(q: &[__m256; 4], x: *const f32) -> __m256 {
-        let p = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
-        let p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x.add(8)), p);
-        let p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x.add(16)), p);
-        _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x.add(24)), p)
+    /// A block's weights as four vectors of 8 f32: the values of `Block::values`, by the same operations.
+    pub trait Dequantize: Block {
+        /// # Safety
+        /// Only on a CPU with avx2, fma and f16c.
+        unsafe fn weights(&self) -> [__m256; 4];
     }
 
-    /// Block-quantized rows: `unpack` gives a block's values as 4×8 f32, its scale and its offset; per
-    /// activation row j, acc_j += scale · Σ q x and off_j += offset · Σ x (`block_sums`, Q4_1 only).
+    impl Dequantize for BlockQ4_0 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn weights(&self) -> [__m256; 4] {
+            let (d, eight) = (splat(self.d), _mm256_set1_ps(8.0));
+            let q = nibbles(&self.qs);
+            [
+                _mm256_mul_ps(d, _mm256_sub_ps(q[0], eight)),
+                _mm256_mul_ps(d, _mm256_sub_ps(q[1], eight)),
+                _mm256_mul_ps(d, _mm256_sub_ps(q[2], eight)),
+                _mm256_mul_ps(d, _mm256_sub_ps(q[3], eight)),
+            ]
+        }
+    }
+
+    impl Dequantize for BlockQ4_1 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn weights(&self) -> [__m256; 4] {
+            let (d, m) = (splat(self.d), splat(self.m));
+            let q = nibbles(&self.qs);
+            [_mm256_fmadd_ps(d, q[0], m), _mm256_fmadd_ps(d, q[1], m), _mm256_fmadd_ps(d, q[2], m), _mm256_fmadd_ps(d, q[3], m)]
+        }
+    }
+
+    impl Dequantize for BlockQ8_0 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn weights(&self) -> [__m256; 4] {
+            let d = splat(self.d);
+            let q = bytes(&self.qs);
+            [_mm256_mul_ps(d, q[0]), _mm256_mul_ps(d, q[1]), _mm256_mul_ps(d, q[2]), _mm256_mul_ps(d, q[3])]
+        }
+    }
+
+    /// A row as runs of 32 f32 weights (blocks, or K-quant sub-blocks), for `dots_chunks`.
+    pub trait Chunks {
+        /// # Safety
+        /// Only on a CPU with avx2, fma and f16c; `i` < the row's runs.
+        unsafe fn chunk(&self, i: usize) -> [__m256; 4];
+    }
+
+    impl<B: Dequantize> Chunks for [B] {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn chunk(&self, i: usize) -> [__m256; 4] {
+            self.get_unchecked(i).weights()
+        }
+    }
+
+    /// K-quant super-blocks seen as their sub-blocks' weights `scale · v + offset`.
+    pub struct SubBlocks<'a, B>(pub &'a [B]);
+
+    impl<B: Unpack> Chunks for SubBlocks<'_, B> {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn chunk(&self, i: usize) -> [__m256; 4] {
+            let (v, scale, offset) = self.0.get_unchecked(i / SUBS).unpack(i % SUBS);
+            let (scale, offset) = (_mm256_set1_ps(scale), _mm256_set1_ps(offset));
+            [
+                _mm256_fmadd_ps(scale, v[0], offset),
+                _mm256_fmadd_ps(scale, v[1], offset),
+                _mm256_fmadd_ps(scale, v[2], offset),
+                _mm256_fmadd_ps(scale, v[3], offset),
+            ]
+        }
+    }
+
+    /// `chunks` runs of 32 weights times N activation rows: per row and run, the four products summed, then added
+    /// to the row's accumulator.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_blocks<const N: usize>(
-        nb: usize,
-        x: &[f32],
-        block_sums: &[f32],
-        unpack: impl Fn(usize) -> ([__m256; 4], f32, f32),
-    ) -> [f32; N] {
-        let cols = nb * QK;
+    unsafe fn dots_chunks<const N: usize>(chunks: usize, w: &(impl Chunks + ?Sized), x: &[f32]) -> [f32; N] {
+        let cols = chunks * QK;
         let mut acc = [_mm256_setzero_ps(); N];
-        let mut off = [0f32; N];
-        for i in 0..nb {
-            let (q, d, m) = unpack(i);
-            let d = _mm256_set1_ps(d);
+        for i in 0..chunks {
+            let w = w.chunk(i);
             for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(d, block_qx(&q, x.as_ptr().add(j * cols + i * QK)), *a);
-            }
-            if !block_sums.is_empty() {
-                for (j, o) in off.iter_mut().enumerate() {
-                    *o += m * block_sums.get_unchecked(j * nb + i);
-                }
+                let x = x.as_ptr().add(j * cols + i * QK);
+                let p = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+                let p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x.add(8)), p);
+                let p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x.add(16)), p);
+                *a = _mm256_add_ps(*a, _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x.add(24)), p));
             }
         }
-        std::array::from_fn(|j| hsum(acc[j]) + off[j])
+        std::array::from_fn(|j| hsum(acc[j]))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_q4_0<const N: usize>(w: &[BlockQ4_0], x: &[f32]) -> [f32; N] {
-        let eight = _mm256_set1_ps(8.0);
-        dots_blocks::<N>(w.len(), x, &[], |i| (nibbles(&w[i].qs).map(|v| _mm256_sub_ps(v, eight)), to_f32(w[i].d), 0.0))
+    pub unsafe fn dots_blocks<const N: usize>(w: &[impl Dequantize], x: &[f32]) -> [f32; N] {
+        dots_chunks::<N>(w.len(), w, x)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_q4_1<const N: usize>(w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        dots_blocks::<N>(w.len(), x, block_sums, |i| (nibbles(&w[i].qs), to_f32(w[i].d), to_f32(w[i].m)))
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_q8_0<const N: usize>(w: &[BlockQ8_0], x: &[f32]) -> [f32; N] {
-        dots_blocks::<N>(w.len(), x, &[], |i| (bytes(&w[i].qs), to_f32(w[i].d), 0.0))
-    }
-
-    /// K-quant sub-blocks unpacked with vector instructions (the same values `SuperBlock::sub_block` gives), then
-    /// multiplied as any other block of 32.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_k<const N: usize>(w: &[impl Unpack], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| w[i / SUBS].unpack(i % SUBS))
+    pub unsafe fn dots_k<const N: usize>(w: &[impl Unpack], x: &[f32]) -> [f32; N] {
+        dots_chunks::<N>(w.len() * SUBS, &SubBlocks(w), x)
     }
 
     /// K-quant rows times Q8_K activation rows, as the scalar `dots_k8_rows`, with the products kept in 8 f32 lanes
@@ -1031,79 +1076,133 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{Unpack, VectorDot};
+    use super::avx2::{SubBlocks, Unpack, VectorDot};
     use super::kquants::BlockQ8K;
-    use super::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK, SUBS};
+    use super::{Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK, SUBS};
     use half::f16;
     use std::arch::x86_64::*;
 
+    /// An f16 in every lane. Converting a broadcast keeps the scale off the accumulators: a scalar conversion
+    /// (`to_f32`) let the compiler merge into a register holding an accumulator, which chained every block to the
+    /// one before (a third slower).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn to_f32(h: f16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
+    unsafe fn splat(h: f16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_set1_epi16(h.to_bits() as i16))
     }
 
-    /// The 32 nibbles of a block as two vectors of 16 f32 (low nibbles are elements 0..16).
+    /// The 16 values a 4-bit block can hold, as f32.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn nibbles(qs: &[u8; QK / 2]) -> [__m512; 2] {
-        let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
-        let mask = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(raw, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-        [_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn levels() -> __m512 {
+        _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0)
     }
 
+    /// Each nibble of a 4-bit block replaced by its entry in `table` (the block's 16 possible weights): the permute
+    /// reads only the low 4 bits of each 32-bit index, so one widening serves both nibbles. Two permutes replace
+    /// the conversion and scaling of 32 values.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn bytes(qs: &[i8; QK]) -> [__m512; 2] {
-        let p = qs.as_ptr() as *const __m128i;
-        [_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(1))))]
+    unsafe fn lookup(qs: &[u8; QK / 2], table: __m512) -> [__m512; 2] {
+        let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr() as *const __m128i));
+        [_mm512_permutexvar_ps(bytes, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), table)]
     }
 
-    /// Block-quantized rows, as `avx2::dots_blocks` with 16 lanes.
+    /// A block's weights as two vectors of 16 f32: the values of `Block::values`, by the same operations.
+    pub trait Dequantize: Block {
+        /// # Safety
+        /// Only on a CPU with avx512f, avx512bw, avx2, fma and f16c.
+        unsafe fn weights(&self) -> [__m512; 2];
+    }
+
+    impl Dequantize for BlockQ4_0 {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn weights(&self) -> [__m512; 2] {
+            lookup(&self.qs, _mm512_mul_ps(splat(self.d), _mm512_sub_ps(levels(), _mm512_set1_ps(8.0))))
+        }
+    }
+
+    impl Dequantize for BlockQ4_1 {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn weights(&self) -> [__m512; 2] {
+            lookup(&self.qs, _mm512_fmadd_ps(splat(self.d), levels(), splat(self.m)))
+        }
+    }
+
+    impl Dequantize for BlockQ8_0 {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn weights(&self) -> [__m512; 2] {
+            let d = splat(self.d);
+            let p = self.qs.as_ptr() as *const __m128i;
+            [
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)))),
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(1))))),
+            ]
+        }
+    }
+
+    /// A row as runs of 32 f32 weights, for `dots_chunks`.
+    pub trait Chunks {
+        /// # Safety
+        /// Only on a CPU with avx512f, avx512bw, avx2, fma and f16c; `i` < the row's runs.
+        unsafe fn chunk(&self, i: usize) -> [__m512; 2];
+    }
+
+    impl<B: Dequantize> Chunks for [B] {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn chunk(&self, i: usize) -> [__m512; 2] {
+            self.get_unchecked(i).weights()
+        }
+    }
+
+    /// Two 8-lane vectors as one of 16.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn join(a: __m256, b: __m256) -> __m512 {
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b)))
+    }
+
+    /// The AVX2 unpacking of K-quant sub-blocks, its four 8-lane vectors joined in pairs, then `scale · v + offset`.
+    impl<B: Unpack> Chunks for SubBlocks<'_, B> {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn chunk(&self, i: usize) -> [__m512; 2] {
+            let (v, scale, offset) = self.0.get_unchecked(i / SUBS).unpack(i % SUBS);
+            let (scale, offset) = (_mm512_set1_ps(scale), _mm512_set1_ps(offset));
+            [_mm512_fmadd_ps(scale, join(v[0], v[1]), offset), _mm512_fmadd_ps(scale, join(v[2], v[3]), offset)]
+        }
+    }
+
+    /// `chunks` runs of 32 weights times N activation rows, two accumulators per row (one per half of a run), so
+    /// that one row alone still has two independent chains of fused multiply-adds.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn dots_blocks<const N: usize>(
-        nb: usize,
-        x: &[f32],
-        block_sums: &[f32],
-        unpack: impl Fn(usize) -> ([__m512; 2], f32, f32),
-    ) -> [f32; N] {
-        let cols = nb * QK;
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut off = [0f32; N];
-        for i in 0..nb {
-            let (q, d, m) = unpack(i);
-            let d = _mm512_set1_ps(d);
+    unsafe fn dots_chunks<const N: usize>(chunks: usize, w: &(impl Chunks + ?Sized), x: &[f32]) -> [f32; N] {
+        let cols = chunks * QK;
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        for i in 0..chunks {
+            let w = w.chunk(i);
             for (j, a) in acc.iter_mut().enumerate() {
-                let xp = x.as_ptr().add(j * cols + i * QK);
-                let p = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xp.add(16)), _mm512_mul_ps(q[0], _mm512_loadu_ps(xp)));
-                *a = _mm512_fmadd_ps(d, p, *a);
-            }
-            if !block_sums.is_empty() {
-                for (j, o) in off.iter_mut().enumerate() {
-                    *o += m * block_sums.get_unchecked(j * nb + i);
-                }
+                let x = x.as_ptr().add(j * cols + i * QK);
+                a[0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), a[0]);
+                a[1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x.add(16)), a[1]);
             }
         }
-        std::array::from_fn(|j| _mm512_reduce_add_ps(acc[j]) + off[j])
+        std::array::from_fn(|j| _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1])))
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn dots_q4_0<const N: usize>(w: &[BlockQ4_0], x: &[f32]) -> [f32; N] {
-        let eight = _mm512_set1_ps(8.0);
-        dots_blocks::<N>(w.len(), x, &[], |i| (nibbles(&w[i].qs).map(|v| _mm512_sub_ps(v, eight)), to_f32(w[i].d), 0.0))
+    pub unsafe fn dots_blocks<const N: usize>(w: &[impl Dequantize], x: &[f32]) -> [f32; N] {
+        dots_chunks::<N>(w.len(), w, x)
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn dots_q4_1<const N: usize>(w: &[BlockQ4_1], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        dots_blocks::<N>(w.len(), x, block_sums, |i| (nibbles(&w[i].qs), to_f32(w[i].d), to_f32(w[i].m)))
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn dots_q8_0<const N: usize>(w: &[BlockQ8_0], x: &[f32]) -> [f32; N] {
-        dots_blocks::<N>(w.len(), x, &[], |i| (bytes(&w[i].qs), to_f32(w[i].d), 0.0))
+    pub unsafe fn dots_k<const N: usize>(w: &[impl Unpack], x: &[f32]) -> [f32; N] {
+        dots_chunks::<N>(w.len() * SUBS, &SubBlocks(w), x)
     }
 
     /// `avx2::dots_k8_rows` compiled for AVX-512 (VL): the same instructions, twice the registers.
@@ -1115,15 +1214,6 @@ mod avx512 {
         super::avx2::dots_k8_rows::<N>(w, nk, a, out, stride)
     }
 
-    /// The AVX2 unpacking, its four 8-lane vectors joined in pairs.
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn dots_k<const N: usize>(w: &[impl Unpack], x: &[f32], block_sums: &[f32]) -> [f32; N] {
-        let join = |a: __m256, b: __m256| _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
-        dots_blocks::<N>(w.len() * SUBS, x, block_sums, |i| {
-            let (v, scale, offset) = w[i / SUBS].unpack(i % SUBS);
-            ([join(v[0], v[1]), join(v[2], v[3])], scale, offset)
-        })
-    }
 }
 
 #[cfg(test)]
@@ -1176,6 +1266,48 @@ mod tests {
         for m in all_storages(&q41, &mut rng) {
             kernels_agree(&m, &dense(&m), &x, KQuantActivations::F32, |_| 1e-4);
         }
+    }
+
+    /// The vector kernels' weights of each block (AVX-512's table lookup, AVX2's conversion) are `Block::values`,
+    /// bit for bit, so that every kernel multiplies by the same weights.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vector_dequantization_gives_each_blocks_values() {
+        use std::arch::x86_64::*;
+        fn check<B: VBlock>(blocks: &[B], name: &str) {
+            for kernel in Kernel::available() {
+                for b in blocks {
+                    let mut got = [0f32; QK];
+                    // SAFETY: each kernel only where the CPU has its features (`Kernel::available`).
+                    unsafe {
+                        match kernel {
+                            Kernel::Avx512 => {
+                                let w = avx512::Dequantize::weights(b);
+                                _mm512_storeu_ps(got.as_mut_ptr(), w[0]);
+                                _mm512_storeu_ps(got.as_mut_ptr().add(16), w[1]);
+                            }
+                            Kernel::Avx2 => {
+                                for (k, w) in avx2::Dequantize::weights(b).iter().enumerate() {
+                                    _mm256_storeu_ps(got.as_mut_ptr().add(8 * k), *w);
+                                }
+                            }
+                            Kernel::Scalar => continue,
+                        }
+                    }
+                    assert_eq!(got.map(f32::to_bits), b.values().map(f32::to_bits), "{name} {kernel:?}");
+                }
+            }
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut scale = || f16::from_f32(rng.random_range(-0.07f32..0.07));
+        let scales: Vec<(f16, f16)> = (0..200).map(|_| (scale(), scale())).collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let q4_1: Vec<BlockQ4_1> = scales.iter().map(|&(d, m)| BlockQ4_1 { d, m, qs: std::array::from_fn(|_| rng.random()) }).collect();
+        let q4_0: Vec<BlockQ4_0> = q4_1.iter().map(|b| BlockQ4_0 { d: b.d, qs: b.qs }).collect();
+        let q8_0: Vec<BlockQ8_0> = scales.iter().map(|&(d, _)| BlockQ8_0 { d, qs: std::array::from_fn(|_| rng.random()) }).collect();
+        check(&q4_1, "q4_1");
+        check(&q4_0, "q4_0");
+        check(&q8_0, "q8_0");
     }
 
     /// Every kernel's product of `m` with each row of `x`: a block of rows equals the rows one by one, bit for bit,
