@@ -201,3 +201,49 @@ fn matvec_kernels_equal_the_ops_they_fold() {
     let error = relative_error(&matvec_normed(&bf16(&x), &bf16(&g), 1e-5, &bf16(&w)).unwrap(), &product(&normed).flatten_all().unwrap().to_vec1::<f32>().unwrap());
     assert!(error < 1e-2, "bf16: relative error {error}");
 }
+
+#[test]
+fn a_heads_product_of_several_rows_gives_each_row_what_it_gets_alone_on_both_engines() {
+    // Sequences drafting through one head share one product of it (`logits_many`, `argmax_many`): on the CPU engine
+    // each row gets its own logits bit for bit, on the candle engine to rounding with the same argmax; a masked head
+    // masks every row and a sliced one gives the masked one's kept entries.
+    use frspec::speculative::{DraftHead, HeadMode, LmHead};
+    use frspec::vocab::{Frequencies, KeepRule};
+    use rand::{RngExt, SeedableRng};
+    let model = synthetic_model();
+    let (vocab, hidden) = (model.lm_head().rows, model.lm_head().cols);
+    let ranking = Frequencies::from_counts(&(0..vocab as u64).map(|i| (i * 53) % 97).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let rows: Vec<Vec<f32>> = (0..6).map(|_| (0..hidden).map(|_| rng.random_range(-2.0f32..2.0)).collect()).collect();
+    let llama = Llama::from_engine(&model, &Device::Cpu, DType::F32).unwrap();
+    let device_rows: Vec<Tensor> = rows.iter().map(|r| Tensor::from_slice(r, (1, hidden), &Device::Cpu).unwrap()).collect();
+    for (keep, mode) in [(None, HeadMode::Slice), (Some(0.5), HeadMode::Slice), (Some(0.5), HeadMode::Mask)] {
+        let keep = keep.map(|r| ranking.keep_set(KeepRule::Ratio(r), vocab, &[]).unwrap());
+        let cpu = DraftHead::new(LmHead::full(std::sync::Arc::new(model.lm_head().clone())), keep.clone(), mode).unwrap();
+        let candle = DraftHead::new(LmHead::full(DeviceHead::new(llama.lm_head().clone())), keep, mode).unwrap();
+
+        let (mut scratch, mut indices) = (Default::default(), Vec::new());
+        let alone: Vec<Vec<f32>> = rows.iter().map(|r| { let mut out = Vec::new(); cpu.logits(r, &mut out, &mut scratch).unwrap(); out }).collect();
+        let mut together = vec![Vec::new(); rows.len()];
+        cpu.logits_many(&rows.iter().collect::<Vec<_>>(), &mut together.iter_mut().collect::<Vec<_>>(), &mut scratch).unwrap();
+        assert_eq!(together, alone, "CPU engine, {mode:?}: a row's logits among others");
+        cpu.argmax_many(&rows.iter().collect::<Vec<_>>(), &mut together.iter_mut().collect::<Vec<_>>(), &mut scratch, &mut indices).unwrap();
+        let argmax: Vec<usize> = rows.iter().map(|r| cpu.argmax(r, &mut Vec::new(), &mut scratch).unwrap()).collect();
+        assert_eq!(indices, argmax);
+        if mode == HeadMode::Mask {
+            assert!(alone.iter().all(|l| l.iter().filter(|v| v.is_finite()).count() == cpu.kept()), "every row masked");
+        }
+
+        let rows: Vec<&Tensor> = device_rows.iter().collect();
+        let mut on_device = vec![Vec::new(); rows.len()];
+        candle.logits_many(&rows, &mut on_device.iter_mut().collect::<Vec<_>>(), &mut ()).unwrap();
+        for (got, want) in on_device.iter().zip(&alone) {
+            assert_eq!(got.len(), want.len());
+            let close = got.iter().zip(want).all(|(g, w)| (g == w) || (g - w).abs() <= 1e-4 * w.abs().max(1.0));
+            assert!(close, "candle engine, {mode:?}: logits of a row among others");
+        }
+        candle.argmax_many(&rows, &mut on_device.iter_mut().collect::<Vec<_>>(), &mut (), &mut indices).unwrap();
+        let device_argmax: Vec<usize> = rows.iter().map(|r| candle.argmax(r, &mut Vec::new(), &mut ()).unwrap()).collect();
+        assert_eq!((indices.clone(), device_argmax), (argmax.clone(), argmax), "candle engine, {mode:?}: argmax");
+    }
+}

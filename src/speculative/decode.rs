@@ -2,9 +2,9 @@
 //! (rejection sampling), emit the recovered or bonus token, roll both caches back to the accepted prefix.
 //! Counters follow vLLM's definitions (../shared/reference/NOTES.md) so numbers compare with the literature.
 
-use super::draft::{Context, Draft, DraftHead, DraftMode, Proposal};
+use super::draft::{choose_many, Choice, Context, Draft, DraftHead, DraftMode, Proposal};
 use super::generate::StopReason;
-use super::{Block, HeadRows, Positions, TargetModel};
+use super::{Block, HeadRows, Positions, Row, TargetModel};
 use crate::sampling::{draw, Sampling};
 use crate::stats::{Counts, Metric};
 use anyhow::{bail, Result};
@@ -213,6 +213,7 @@ where
             order: Vec::new(),
         })
         .collect();
+    let mut side_by_side = SideBySide::<T>::new(slots.len());
     let stopped = |t: u32| stop_ids.contains(&t);
     loop {
         // Turns out of new tokens or context end before drafting.
@@ -252,25 +253,17 @@ where
             return Ok(());
         }
 
-        for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()) {
-            if slot.prefilling() {
-                continue;
-            }
-            let Some(turn) = slot.turn.as_mut() else { continue };
-            let k = slot.k;
+        for slot in slots.iter_mut().filter(|s| s.turn.is_some() && !s.prefilling()) {
             slot.n = slot.tokens.len();
+            slot.proposal.clear();
+        }
+        side_by_side.draft(&mut slots, drafts, cfg)?;
+        for slot in slots.iter_mut().filter(|s| s.turn.is_some() && !s.prefilling()) {
             slot.block.clear();
             slot.block.push(slot.tokens[slot.n - 1]);
-            slot.proposal.tokens.clear();
-            if k > 0 {
-                let t = Instant::now();
-                let ctx = Context { tokens: &slot.tokens, features: &slot.features };
-                draft.propose(&ctx, k, turn.head, cfg.mode, cfg.sampling, &mut turn.rng, &mut slot.proposal)?;
-                turn.rec.draft_secs += t.elapsed().as_secs_f64();
-                slot.block.extend_from_slice(&slot.proposal.tokens);
-            }
+            slot.block.extend_from_slice(&slot.proposal.tokens);
             slot.rows.clear();
-            slot.rows.extend(0..=k);
+            slot.rows.extend(0..=slot.k);
         }
 
         let t = Instant::now();
@@ -303,6 +296,81 @@ where
                 finish(slot, turns)?;
             }
         }
+    }
+}
+
+/// How the slots draft: position by position, side by side, so that slots drafting through one head choose their
+/// tokens from one product of it (the head is read once for all of them, not once a slot: on a GPU at batch 64, the
+/// LM head of Llama-3 is 1 GB a read). The buffers live from step to step.
+struct SideBySide<T: TargetModel> {
+    hidden: Vec<Option<Row<T>>>,
+    grouped: Vec<bool>,
+    scratch: <T::Head as HeadRows>::Scratch,
+    indices: Vec<usize>,
+}
+
+impl<T: TargetModel> SideBySide<T> {
+    fn new(slots: usize) -> Self {
+        SideBySide { hidden: (0..slots).map(|_| None).collect(), grouped: vec![false; slots], scratch: Default::default(), indices: Vec::new() }
+    }
+
+    /// Every drafting slot proposes its `k` tokens. At each position every draft catches up (first position) or
+    /// extends by its last token on its own; then the slots sharing a head choose together (`choose_many`), groups
+    /// in slot order. A slot's draws come from its own stream in the order it makes them alone, so its proposal
+    /// does not depend on its neighbours where the head's products do not. A shared product's time is split
+    /// equally between the slots that share it.
+    fn draft<'h>(&mut self, slots: &mut [Slot<'h, T>], drafts: &mut [&mut dyn Draft<T>], cfg: &SpecConfig) -> Result<()> {
+        let drafting = |s: &Slot<T>, step: usize| s.turn.is_some() && !s.prefilling() && step < s.k;
+        let positions = slots.iter().filter(|s| drafting(s, 0)).map(|s| s.k).max().unwrap_or(0);
+        for step in 0..positions {
+            for ((slot, draft), hidden) in slots.iter_mut().zip(drafts.iter_mut()).zip(self.hidden.iter_mut()) {
+                *hidden = None;
+                if !drafting(slot, step) {
+                    continue;
+                }
+                let t = Instant::now();
+                *hidden = Some(if step == 0 {
+                    draft.catch_up(&Context { tokens: &slot.tokens, features: &slot.features })?
+                } else {
+                    draft.extend(slot.proposal.tokens[step - 1])?
+                });
+                slot.turn.as_mut().expect("drafting").rec.draft_secs += t.elapsed().as_secs_f64();
+            }
+            for first in 0..slots.len() {
+                // A slot's row is taken once its group has chosen.
+                if self.hidden[first].is_none() {
+                    continue;
+                }
+                let head = slots[first].turn.as_ref().expect("drafting").head;
+                for (i, slot) in slots.iter().enumerate().skip(first) {
+                    self.grouped[i] = self.hidden[i].is_some() && std::ptr::eq(slot.turn.as_ref().expect("drafting").head, head);
+                }
+                let t = Instant::now();
+                let mut choices: Vec<Choice<T::Head>> = slots
+                    .iter_mut()
+                    .zip(drafts.iter_mut())
+                    .zip(&self.hidden)
+                    .enumerate()
+                    .skip(first)
+                    .filter(|(i, _)| self.grouped[*i])
+                    .map(|(_, ((slot, draft), hidden))| {
+                        let turn = slot.turn.as_mut().expect("drafting");
+                        Choice { chooser: draft.chooser(), hidden: hidden.as_ref().expect("filtered"), rng: &mut turn.rng, out: &mut slot.proposal }
+                    })
+                    .collect();
+                let members = choices.len();
+                choose_many(head, &mut choices, cfg.mode, cfg.sampling, &mut self.scratch, &mut self.indices)?;
+                drop(choices);
+                let share = t.elapsed().as_secs_f64() / members as f64;
+                for (i, slot) in slots.iter_mut().enumerate().skip(first) {
+                    if self.grouped[i] {
+                        slot.turn.as_mut().expect("drafting").rec.draft_secs += share;
+                        self.hidden[i] = None;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -89,8 +89,7 @@ impl<M: HeadRows> DraftHead<M> {
     /// Logits of one hidden row in head space: one entry per kept row (slice) or per row (full, mask; pruned
     /// rows are −∞). Kept rows keep their order, so slice and mask draw identically from one random stream.
     pub fn logits(&self, hidden: &M::Row, out: &mut Vec<f32>, scratch: &mut M::Scratch) -> Result<()> {
-        let m = self.sliced.as_ref().map_or(&self.lm.matrix, |(m, _)| m);
-        m.logits(hidden, out, scratch)?;
+        self.matrix().logits(hidden, out, scratch)?;
         if let Some(mask) = &self.mask {
             out.iter_mut().zip(mask).filter(|(_, &keep)| !keep).for_each(|(l, _)| *l = f32::NEG_INFINITY);
         }
@@ -103,7 +102,34 @@ impl<M: HeadRows> DraftHead<M> {
             self.logits(hidden, logits, scratch)?;
             return Ok(argmax(logits) as usize);
         }
-        self.sliced.as_ref().map_or(&self.lm.matrix, |(m, _)| m).argmax(hidden, logits, scratch)
+        self.matrix().argmax(hidden, logits, scratch)
+    }
+
+    /// `logits` of several hidden rows through one product of the head.
+    pub fn logits_many(&self, hidden: &[&M::Row], out: &mut [&mut Vec<f32>], scratch: &mut M::Scratch) -> Result<()> {
+        self.matrix().logits_many(hidden, out, scratch)?;
+        if let Some(mask) = &self.mask {
+            for out in out.iter_mut() {
+                out.iter_mut().zip(mask).filter(|(_, &keep)| !keep).for_each(|(l, _)| *l = f32::NEG_INFINITY);
+            }
+        }
+        Ok(())
+    }
+
+    /// `argmax` of several hidden rows through one product of the head, into `indices`.
+    pub fn argmax_many(&self, hidden: &[&M::Row], logits: &mut [&mut Vec<f32>], scratch: &mut M::Scratch, indices: &mut Vec<usize>) -> Result<()> {
+        if self.mask.is_some() {
+            self.logits_many(hidden, logits, scratch)?;
+            indices.clear();
+            indices.extend(logits.iter().map(|l| argmax(l) as usize));
+            return Ok(());
+        }
+        self.matrix().argmax_many(hidden, logits, scratch, indices)
+    }
+
+    /// The rows the head computes: the kept ones gathered (slice), or all of them.
+    fn matrix(&self) -> &M {
+        self.sliced.as_ref().map_or(&self.lm.matrix, |(m, _)| m)
     }
 
     /// A hidden row of the head's width, for timing it.
@@ -141,7 +167,7 @@ pub struct Proposal {
 }
 
 impl Proposal {
-    fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.tokens.clear();
         self.q_token.clear();
     }
@@ -163,16 +189,18 @@ impl<M: HeadRows> Default for Chooser<M> {
 impl<M: HeadRows> Chooser<M> {
     /// Choose the next draft token from a hidden row and record it (with q) in `out`.
     fn choose(&mut self, head: &DraftHead<M>, hidden: &M::Row, mode: DraftMode, sampling: Sampling, rng: &mut dyn rand::Rng, out: &mut Proposal) -> Result<()> {
-        let step = out.tokens.len();
-        if mode == DraftMode::Argmax || sampling.is_greedy() {
-            out.tokens.push(head.id(head.argmax(hidden, &mut self.logits, &mut self.scratch)?));
-            out.q_token.push(1.0);
-            if out.q.len() > step {
-                out.q[step].clear();
-            }
+        if takes_argmax(mode, sampling) {
+            push_argmax(head, head.argmax(hidden, &mut self.logits, &mut self.scratch)?, out);
             return Ok(());
         }
         head.logits(hidden, &mut self.logits, &mut self.scratch)?;
+        self.push_draw(head, sampling, rng, out);
+        Ok(())
+    }
+
+    /// Draw the next draft token from the head's logits (in `self.logits`) and record it with q.
+    fn push_draw(&mut self, head: &DraftHead<M>, sampling: Sampling, rng: &mut dyn rand::Rng, out: &mut Proposal) {
+        let step = out.tokens.len();
         if out.q.len() <= step {
             out.q.resize_with(step + 1, Vec::new);
         }
@@ -181,8 +209,60 @@ impl<M: HeadRows> Chooser<M> {
         let index = draw(q, rng) as usize;
         out.tokens.push(head.id(index));
         out.q_token.push(q[index]);
-        Ok(())
     }
+}
+
+/// Whether drafts are the head's argmax (a point mass) rather than draws from its distribution.
+fn takes_argmax(mode: DraftMode, sampling: Sampling) -> bool {
+    mode == DraftMode::Argmax || sampling.is_greedy()
+}
+
+/// Record head-space index `index`, the argmax, as the next draft token (q = 1).
+fn push_argmax<M: HeadRows>(head: &DraftHead<M>, index: usize, out: &mut Proposal) {
+    let step = out.tokens.len();
+    out.tokens.push(head.id(index));
+    out.q_token.push(1.0);
+    if out.q.len() > step {
+        out.q[step].clear();
+    }
+}
+
+/// One sequence's part in `choose_many`: its draft's chooser, its hidden row, its stream and its proposal.
+pub struct Choice<'a, M: HeadRows> {
+    pub chooser: &'a mut Chooser<M>,
+    pub hidden: &'a M::Row,
+    pub rng: &'a mut dyn rand::Rng,
+    pub out: &'a mut Proposal,
+}
+
+/// The next draft token of several sequences that draft through `head`: one product of the head for all of their
+/// hidden rows, then each sequence's choice from its own logits with its own stream, as `Chooser::choose` makes it
+/// alone (on an engine whose products do not depend on their neighbours, the same tokens and q).
+pub fn choose_many<M: HeadRows>(
+    head: &DraftHead<M>,
+    choices: &mut [Choice<'_, M>],
+    mode: DraftMode,
+    sampling: Sampling,
+    scratch: &mut M::Scratch,
+    indices: &mut Vec<usize>,
+) -> Result<()> {
+    if let [one] = choices {
+        return one.chooser.choose(head, one.hidden, mode, sampling, one.rng, one.out);
+    }
+    let hidden: Vec<&M::Row> = choices.iter().map(|c| c.hidden).collect();
+    let mut logits: Vec<&mut Vec<f32>> = choices.iter_mut().map(|c| &mut c.chooser.logits).collect();
+    if takes_argmax(mode, sampling) {
+        head.argmax_many(&hidden, &mut logits, scratch, indices)?;
+        for (c, &index) in choices.iter_mut().zip(indices.iter()) {
+            push_argmax(head, index, c.out);
+        }
+    } else {
+        head.logits_many(&hidden, &mut logits, scratch)?;
+        for c in choices.iter_mut() {
+            c.chooser.push_draw(head, sampling, c.rng, c.out);
+        }
+    }
+    Ok(())
 }
 
 /// The sequence so far as the draft sees it.

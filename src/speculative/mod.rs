@@ -133,6 +133,22 @@ pub trait HeadRows: Sized {
         self.logits(row, logits, scratch)?;
         Ok(crate::sampling::argmax(logits) as usize)
     }
+    /// `logits` of several rows, each into its own `out`: one product, so the head is read once for all of them
+    /// (sequences drafting through one head side by side). Each row's logits are what `logits` gives it alone on
+    /// an engine whose products do not depend on their neighbours.
+    fn logits_many(&self, rows: &[&Self::Row], out: &mut [&mut Vec<f32>], scratch: &mut Self::Scratch) -> Result<()> {
+        for (row, out) in rows.iter().zip(out.iter_mut()) {
+            self.logits(row, out, scratch)?;
+        }
+        Ok(())
+    }
+    /// `argmax` of several rows into `indices`, as `logits_many`.
+    fn argmax_many(&self, rows: &[&Self::Row], logits: &mut [&mut Vec<f32>], scratch: &mut Self::Scratch, indices: &mut Vec<usize>) -> Result<()> {
+        self.logits_many(rows, logits, scratch)?;
+        indices.clear();
+        indices.extend(logits.iter().map(|l| crate::sampling::argmax(l) as usize));
+        Ok(())
+    }
     /// A hidden row of the head's own width, for timing it (the values do not change the time).
     fn probe(&self) -> Result<Self::Row>;
 }

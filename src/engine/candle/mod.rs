@@ -182,6 +182,23 @@ impl HeadRows for DeviceHead {
         Ok(self.product(row)?.argmax(candle_core::D::Minus1)?.flatten_all()?.to_vec1::<u32>()?[0] as usize)
     }
 
+    /// One product `[rows, hidden] · headᵀ` (the head read once), one copy to the host.
+    fn logits_many(&self, rows: &[&Tensor], out: &mut [&mut Vec<f32>], _: &mut ()) -> Result<()> {
+        let logits = self.product(&Tensor::cat(rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        for (out, logits) in out.iter_mut().zip(logits) {
+            **out = logits;
+        }
+        Ok(())
+    }
+
+    /// One product and one argmax on the device for every row; only the indices come back.
+    fn argmax_many(&self, rows: &[&Tensor], _: &mut [&mut Vec<f32>], _: &mut (), indices: &mut Vec<usize>) -> Result<()> {
+        let found = self.product(&Tensor::cat(rows, 0)?)?.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+        indices.clear();
+        indices.extend(found.into_iter().map(|i| i as usize));
+        Ok(())
+    }
+
     fn probe(&self) -> Result<Tensor> {
         Ok(Tensor::full(0.5f32, (1, self.matrix.dims()[1]), self.matrix.device())?.to_dtype(self.matrix.dtype())?)
     }

@@ -118,9 +118,17 @@ impl TargetModel for Model {
     }
 }
 
+/// What a CPU head's products reuse: the matmul's buffers, and the stacked rows and logits of `logits_many`.
+#[derive(Default)]
+pub struct HeadScratch {
+    matmul: MatmulScratch,
+    rows: Vec<f32>,
+    logits: Vec<f32>,
+}
+
 impl HeadRows for Arc<Matrix> {
     type Row = Vec<f32>;
-    type Scratch = MatmulScratch;
+    type Scratch = HeadScratch;
 
     fn rows(&self) -> usize {
         self.rows
@@ -130,9 +138,26 @@ impl HeadRows for Arc<Matrix> {
         Ok(Arc::new(Matrix::select_rows(self, rows)))
     }
 
-    fn logits(&self, row: &Vec<f32>, out: &mut Vec<f32>, scratch: &mut MatmulScratch) -> Result<()> {
+    fn logits(&self, row: &Vec<f32>, out: &mut Vec<f32>, scratch: &mut HeadScratch) -> Result<()> {
         out.resize(self.rows, 0.0);
-        self.matmul(row, out, scratch);
+        self.matmul(row, out, &mut scratch.matmul);
+        Ok(())
+    }
+
+    /// The rows stacked into one product (each weight row unpacked once for up to 8 of them); a row's logits are
+    /// its logits alone, bit for bit (`Matrix::matmul`).
+    fn logits_many(&self, rows: &[&Vec<f32>], out: &mut [&mut Vec<f32>], scratch: &mut HeadScratch) -> Result<()> {
+        if let ([row], [out]) = (rows, &mut *out) {
+            return self.logits(row, out, scratch);
+        }
+        scratch.rows.clear();
+        rows.iter().for_each(|r| scratch.rows.extend_from_slice(r));
+        scratch.logits.resize(rows.len() * self.rows, 0.0);
+        self.matmul(&scratch.rows, &mut scratch.logits, &mut scratch.matmul);
+        for (out, logits) in out.iter_mut().zip(scratch.logits.chunks_exact(self.rows)) {
+            out.clear();
+            out.extend_from_slice(logits);
+        }
         Ok(())
     }
 
