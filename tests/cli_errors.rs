@@ -441,3 +441,62 @@ fn teacher_data_is_reused_part_by_part() {
     let err = String::from_utf8_lossy(&done.stderr);
     assert!(!done.status.success() && err.contains("holds another training run (differs in: self_prompts)"), "{err}");
 }
+
+#[test]
+fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, "the river town council voted to build a new bridge over quiet water\n").unwrap();
+    // Four complete records — one opened by the model, one repeating an earlier request — and a cut one.
+    let sharegpt = dir.path().join("sharegpt.json");
+    let turn = |from: &str, value: &str| format!(r#"{{"from": "{from}", "value": "{value}"}}"#);
+    let record = |id: &str, turns: &[String]| format!(r#"{{"id": "{id}", "conversations": [{}]}}"#, turns.join(", "));
+    let records = [
+        record("a", &[turn("human", "Write a haiku."), turn("gpt", "Rain.")]),
+        record("b", &[turn("gpt", "Hello!"), turn("human", "Hi.")]),
+        record("c", &[turn("human", " Write a haiku. ")]),
+        record("d", &[turn("human", "Name three rivers."), turn("gpt", "Nile, Po, Rhine.")]),
+    ];
+    std::fs::write(&sharegpt, format!("[\n{},\n{{\"id\": \"e\", \"conversations\": [{{\"from\": \"hum", records.join(",\n"))).unwrap();
+    let model = synthetic_dir();
+    let (m, c, f) = (model.path().to_str().unwrap(), corpus.to_str().unwrap(), sharegpt.to_str().unwrap());
+    let run = |out: &str, count: &str, extra: &[&str], envs: &[(&str, &Path)]| {
+        let out = dir.path().join(out);
+        let mut cmd = frspec();
+        cmd.args(["train-eagle", "--target", m, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", "0", "--sharegpt", count]);
+        cmd.args(["--batch", "1", "--max-new-tokens", "6", "--steps", "1"]).args(extra);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        (cmd.output().unwrap(), out)
+    };
+    let (done, first) = run("first", "2", &["--sharegpt-file", f], &[]);
+    let said = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "{said}");
+    assert!(said.contains("4 complete conversations before a record cut off after") && said.contains("3 opened by a person; answering the first 2 distinct requests"), "{said}");
+    let target = frspec::loading::target::Target::load(m).unwrap();
+    let convs = frspec::train::load_teacher(&first.join("sharegpt.safetensors"), target.model.config.hidden).unwrap();
+    for (conv, request) in convs.iter().zip(["Write a haiku.", "Name three rivers."]) {
+        let prompt = target.tokenizer.chat_prompt(&[frspec::text::chat::Message::new("user", request)]).unwrap();
+        assert_eq!(conv.tokens[..conv.prompt_len], prompt[..], "{request}");
+    }
+    assert_eq!(convs.len(), 2);
+    // The first request alone, from nothing or taken from the larger folder: the same bytes.
+    let (done, alone) = run("alone", "1", &["--sharegpt-file", f], &[]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let (done, taken) = run("taken", "1", &["--sharegpt-file", f, "--teacher-from", first.to_str().unwrap()], &[]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert_eq!(std::fs::read(taken.join("sharegpt.safetensors")).unwrap(), std::fs::read(alone.join("sharegpt.safetensors")).unwrap());
+
+    let failed = |out: &str, count: &str, extra: &[&str], envs: &[(&str, &Path)], expected: &[&str]| {
+        let (done, out) = run(out, count, extra, envs);
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert!(!done.status.success() && done.status.code() == Some(1) && expected.iter().all(|e| err.contains(e)), "{err}");
+        assert!(!out.exists(), "no partial output");
+    };
+    failed("more", "3", &["--sharegpt-file", f], &[], &["sharegpt.json", "holds only 2 distinct opening requests"]);
+    std::fs::write(&sharegpt, format!("[{}, {{\"id\": \"x\", \"conversations\": [{{\"from\": \"human\"}}]}}]", records[0])).unwrap();
+    failed("malformed", "1", &["--sharegpt-file", f], &[], &["sharegpt.json: record 2 (at byte", "not a ShareGPT conversation", "missing field `value`"]);
+    let empty_cache = tempfile::tempdir().unwrap();
+    failed("no-asset", "1", &[], &[("FRSPEC_CACHE", empty_cache.path())], &["ShareGPT V3 conversations is not at", "scripts/fetch-assets.sh sharegpt"]);
+}

@@ -23,7 +23,7 @@ fn widen(name: &str, dims: &[usize], w: &[f32], hidden: usize, head_dim: usize) 
         let (head, i) = (row / head_dim, row % head_dim);
         (head / 3 * 4 + head % 3) * head_dim + i
     };
-    let mut out = |rows: usize, cols: usize, place: &dyn Fn(usize, usize) -> (usize, usize)| {
+    let out = |rows: usize, cols: usize, place: &dyn Fn(usize, usize) -> (usize, usize)| {
         let mut v = vec![0f32; rows * cols];
         for (r, row) in w.chunks_exact(dims[1]).enumerate() {
             for (c, x) in row.iter().enumerate() {

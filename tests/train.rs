@@ -1,6 +1,6 @@
 //! EAGLE-1 head training on a tiny synthetic target: the loss falls, a resumed run continues exactly where an
-//! uninterrupted one is, and the exported head computes in the engine what it computed in training (its rollout pass
-//! included).
+//! uninterrupted one is, and the exported head computes in the engine what it computed in training (the unrolled
+//! steps of the training-time test included).
 
 use frspec::engine::cpu::draft::EagleDraft;
 use frspec::engine::cpu::CpuFeatures;
@@ -15,7 +15,19 @@ fn corpus() -> Vec<String> {
 }
 
 fn settings(steps: usize) -> TrainSettings {
-    TrainSettings { steps, seed: 5, batch: 2, lr: 3e-3, warmup: 4, weight_decay: 0.0, checkpoint_every: 10, rollout: true, classification_weight: frspec::train::EAGLE_CLASSIFICATION_WEIGHT }
+    TrainSettings {
+        steps,
+        seed: 5,
+        batch: 2,
+        lr: 3e-3,
+        warmup: 4,
+        weight_decay: 0.0,
+        checkpoint_every: 10,
+        classification_weight: frspec::train::EAGLE_CLASSIFICATION_WEIGHT,
+        feature_weight: 1.0,
+        unroll: 2,
+        unroll_decay: frspec::train::EAGLE3_UNROLL_DECAY,
+    }
 }
 
 fn setup() -> (tempfile::TempDir, Target, Vec<Conversation>) {
@@ -65,15 +77,44 @@ fn loss_falls_and_a_resumed_run_equals_an_uninterrupted_one() {
 }
 
 #[test]
-fn the_classification_weight_is_the_share_of_cross_entropy_in_the_loss() {
+fn the_loss_weighs_features_and_cross_entropy_as_set_and_adds_the_unrolled_steps() {
     let (_dir, target, data) = setup();
     let all: Vec<&Conversation> = data.iter().collect();
-    for weight in [0.0, 0.1, 1.0] {
-        let trainer = Trainer { target: &target, data: &data, keep: None, settings: TrainSettings { classification_weight: weight, rollout: false, ..settings(1) } };
-        let log = trainer.evaluate(&trainer.start().unwrap(), &all).unwrap();
-        let expected = log.regression + weight * log.classification;
-        assert!(log.classification > 0.0 && (log.loss - expected).abs() < 1e-5 * expected, "weight {weight}: {log:?}");
+    let log_of = |s: TrainSettings| {
+        let trainer = Trainer { target: &target, data: &data, keep: None, settings: s };
+        trainer.evaluate(&trainer.start().unwrap(), &all).unwrap()
+    };
+    for (features, tokens) in [(1.0, 0.0), (1.0, 0.1), (0.3, 1.0), (0.0, 1.0)] {
+        let log = log_of(TrainSettings { classification_weight: tokens, feature_weight: features, unroll: 0, ..settings(1) });
+        let expected = features * log.regression + tokens * log.classification;
+        assert!(log.classification > 0.0 && (log.loss - expected).abs() < 1e-5 * expected, "weights {features}, {tokens}: {log:?}");
+        // Cross-entropy = forward KL + the teacher's entropy, which is positive over a vocabulary of 64.
+        assert!(log.kl > 0.0 && log.kl < log.classification && log.unrolled_top1.is_empty(), "{log:?}");
     }
+    // Unrolled steps add their losses on top, and log their agreement, one per step.
+    let alone = log_of(TrainSettings { unroll: 0, ..settings(1) });
+    let unrolled = log_of(settings(1));
+    assert_eq!(unrolled.unrolled_top1.len(), 2);
+    assert_eq!((unrolled.regression, unrolled.classification, unrolled.top1), (alone.regression, alone.classification, alone.top1));
+    assert!(unrolled.loss > alone.loss + 0.1 * alone.loss, "{alone:?} → {unrolled:?}");
+}
+
+#[test]
+fn the_kl_term_equals_its_hand_computed_value() {
+    // Teacher [½, ¼, ¼], head [¼, ¼, ½]: KL = ½ ln 2 + ¼ ln 1 + ¼ ln ½ = ¼ ln 2. A second row with equal
+    // distributions (shifted logits) adds 0, and the mean over the two rows halves it.
+    let dev = candle_core::Device::Cpu;
+    let ln2 = std::f32::consts::LN_2;
+    let teacher = candle_core::Tensor::new(&[[ln2, 0.0, 0.0], [1.0, 2.0, 3.0]], &dev).unwrap();
+    let head = candle_core::Tensor::new(&[[0.0, 0.0, ln2], [11.0, 12.0, 13.0]], &dev).unwrap();
+    let kl = train::kl_divergence(&teacher, &head).unwrap().to_scalar::<f32>().unwrap();
+    let expected = 0.25 * ln2 / 2.0;
+    assert!((kl - expected).abs() < 1e-6, "{kl} against {expected}");
+    // A teacher probability that underflows to 0 adds 0, not NaN.
+    let sharp = candle_core::Tensor::new(&[[0.0f32, -200.0, 0.0]], &dev).unwrap();
+    let flat = candle_core::Tensor::new(&[[0.0f32, 0.0, 0.0]], &dev).unwrap();
+    let kl = train::kl_divergence(&sharp, &flat).unwrap().to_scalar::<f32>().unwrap();
+    assert!((kl - (1.5f32).ln()).abs() < 1e-6, "{kl}");
 }
 
 #[test]
@@ -99,16 +140,21 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     let worst = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(worst < 1e-3, "engine and training forward differ by {worst}");
 
-    // The rollout pass computes what the engine's second draft of a step does: catch up on true features through
-    // draft position j − 1, then extend with t_{j+1}, fed the head's own output.
-    let rolled = train::rollout_outputs(&target.model, &exported, conv).unwrap();
-    for j in [1, conv.tokens.len() / 2, conv.tokens.len() - 2] {
-        draft.reset();
-        // Features beyond the tokens given are not read.
-        draft.catch_up(&Context { tokens: &conv.tokens[..=j], features: &features }).unwrap();
-        let got = draft.extend(conv.tokens[j + 1]).unwrap();
-        let worst = got.iter().zip(&rolled[j * h..(j + 1) * h]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(worst < 1e-3, "position {j}: engine's second draft and the rollout pass differ by {worst}");
+    // Unrolled step j at position i computes what the engine's (j + 1)-th draft of a step does: catch up on true
+    // features through position i − j, then extend j times with the next tokens, each fed the head's own output.
+    let unrolled = train::unrolled_outputs(&target.model, &exported, conv, 3).unwrap();
+    for (j, step) in unrolled.iter().enumerate().map(|(j, s)| (j + 1, s)) {
+        for i in [j, conv.tokens.len() / 2, conv.tokens.len() - 2] {
+            draft.reset();
+            // Features beyond the tokens given are not read.
+            draft.catch_up(&Context { tokens: &conv.tokens[..=i + 1 - j], features: &features }).unwrap();
+            let mut got = Vec::new();
+            for t in &conv.tokens[i + 2 - j..=i + 1] {
+                got = draft.extend(*t).unwrap();
+            }
+            let worst = got.iter().zip(&step[i * h..(i + 1) * h]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst < 1e-3, "step {j}, position {i}: the engine's draft {} and the unrolled step differ by {worst}", j + 1);
+        }
     }
 }
 

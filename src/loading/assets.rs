@@ -18,6 +18,7 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
     ("mt-bench", "mt_bench/question.jsonl", "MT-Bench questions", "scripts/fetch-assets.sh mtbench"),
     ("llama31-tokenizer", "llama31-tokenizer", "Llama-3.1 tokenizer", "scripts/fetch-assets.sh llama31-tokenizer"),
     ("brown", "brown", "Brown corpus", "scripts/fetch-assets.sh brown"),
+    ("sharegpt", "sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json", "ShareGPT V3 conversations", "scripts/fetch-assets.sh sharegpt"),
     ("brown-smollm2", "freq/brown-smollm2.safetensors", "Brown-corpus token frequencies for SmolLM2", "scripts/build-freq.sh"),
     (
         "brown-llama31-tokenizer",

@@ -252,11 +252,11 @@ fn flat(x: f64, v: f64) -> (f64, Estimate) {
 }
 
 /// Moving average over the last `window` steps, against the step.
-fn smoothed(log: &[crate::train::StepLog], window: usize, f: fn(&crate::train::StepLog) -> f64) -> Vec<(f64, Estimate)> {
+fn smoothed(log: &[crate::train::StepLog], window: usize, f: impl Fn(&crate::train::StepLog) -> f64) -> Vec<(f64, Estimate)> {
     (0..log.len())
         .map(|i| {
             let from = (i + 1).saturating_sub(window);
-            let mean = log[from..=i].iter().map(f).sum::<f64>() / (i + 1 - from) as f64;
+            let mean = log[from..=i].iter().map(&f).sum::<f64>() / (i + 1 - from) as f64;
             flat(log[i].step as f64, mean)
         })
         .collect()
@@ -299,7 +299,7 @@ where
 struct TrainingCurve<'a> {
     log: &'a [crate::train::StepLog],
     title: &'a str,
-    classification_weight: f64,
+    settings: &'a crate::train::TrainSettings,
 }
 
 impl Figure for TrainingCurve<'_> {
@@ -307,19 +307,21 @@ impl Figure for TrainingCurve<'_> {
     where
         DB::ErrorType: 'static,
     {
-        let w = self.classification_weight;
+        let weighted = |name: String, w: f64, part: fn(&crate::train::StepLog) -> f64| Series {
+            name,
+            points: smoothed(self.log, 25, part).into_iter().map(|(x, e)| flat(x, w * e.value)).collect(),
+        };
+        let (fw, cw) = (self.settings.feature_weight, self.settings.classification_weight);
         let losses = [
             Series { name: "total loss".into(), points: smoothed(self.log, 25, |l| l.loss) },
-            Series { name: "smooth-L1 (features)".into(), points: smoothed(self.log, 25, |l| l.regression) },
-            Series {
-                name: format!("{w} × cross-entropy (tokens)"),
-                points: smoothed(self.log, 25, |l| l.classification).into_iter().map(|(x, e)| flat(x, w * e.value)).collect(),
-            },
+            weighted(format!("{fw} × smooth-L1 (features)"), fw, |l| l.regression),
+            weighted(format!("{cw} × cross-entropy (tokens)"), cw, |l| l.classification),
         ];
         let mut top1 = vec![Series { name: "head argmax = target argmax (true features)".into(), points: smoothed(self.log, 25, |l| 100.0 * l.top1) }];
-        if self.log.iter().all(|l| l.rollout_top1.is_some()) {
-            let own = |l: &crate::train::StepLog| 100.0 * l.rollout_top1.unwrap_or(0.0);
-            top1.push(Series { name: "… fed its own predicted features".into(), points: smoothed(self.log, 25, own) });
+        let unrolled = self.log.iter().map(|l| l.unrolled_top1.len()).min().unwrap_or(0);
+        for j in 0..unrolled {
+            let own = move |l: &crate::train::StepLog| 100.0 * l.unrolled_top1[j];
+            top1.push(Series { name: format!("… draft {} of a chain, fed its own features", j + 2), points: smoothed(self.log, 25, own) });
         }
         let body = page(area, self.title)?;
         let (left, right) = body.split_horizontally(SIZE.0 / 2);
@@ -330,9 +332,9 @@ impl Figure for TrainingCurve<'_> {
 }
 
 /// The training curve of an EAGLE head (moving averages over 25 steps) as `{stem}.png` and `{stem}.svg`.
-pub fn training_curve(stem: &Path, log: &[crate::train::StepLog], title: &str, classification_weight: f64) -> Result<()> {
+pub fn training_curve(stem: &Path, log: &[crate::train::StepLog], title: &str, settings: &crate::train::TrainSettings) -> Result<()> {
     font_once()?;
-    write_both(stem, &TrainingCurve { log, title, classification_weight }).map(|_| ())
+    write_both(stem, &TrainingCurve { log, title, settings }).map(|_| ())
 }
 
 struct HeadLatency<'a> {

@@ -1,5 +1,7 @@
-//! Text in and out of token ids: tokenizers (`tokenizer`), chat templates (`chat`) and prompt datasets (`dataset`).
+//! Text in and out of token ids: tokenizers (`tokenizer`), chat templates (`chat`), prompt datasets (`dataset`) and
+//! ShareGPT conversations (`sharegpt`).
 
 pub mod chat;
 pub mod dataset;
+pub mod sharegpt;
 pub mod tokenizer;

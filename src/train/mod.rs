@@ -2,17 +2,20 @@
 //!
 //! Data: prompts derived from a text corpus (never the evaluation set) in the target's chat format, answered by
 //! the target itself (greedy), so the head learns the distribution it will draft for. The target's post-norm
-//! features along each conversation are the teacher signal, cached once on disk in f16.
-//! Objective (EAGLE-1): draft position i sees (f_i, t_{i+1}) and predicts f_{i+1}: smooth-L1 against it, plus 0.1 (a
-//! setting) × the cross-entropy of the head's logits through the target's LM head against the target's next-token
-//! distribution softmax(LM head · f_{i+1}); only positions that predict answer tokens count. Inputs get uniform
-//! noise (±0.1), as in EAGLE. AdamW with linear warm-up and cosine decay, gradient norm clipped at 0.5.
+//! features along each conversation are the teacher signal, cached once on disk in f16. Prompts also come from
+//! the opening requests of ShareGPT conversations, the real user prompts EAGLE trained on.
+//! Objective (EAGLE-1): draft position i sees (f_i, t_{i+1}) and predicts f_{i+1}: smooth-L1 against it (weight 1, a
+//! setting), plus 0.1 (a setting) × the cross-entropy of the head's logits through the target's LM head against the
+//! target's next-token distribution softmax(LM head · f_{i+1}) — forward KL plus a constant; only positions that
+//! predict answer tokens count. Optionally EAGLE-3's training-time test: further draft steps unrolled on the head's
+//! own features, step j weighted 0.8^j. Inputs get uniform noise (±0.1), as in EAGLE. AdamW with linear warm-up and
+//! cosine decay, gradient norm clipped at 0.5.
 //!
 //! The forward here is written in candle tensor operations because training needs autograd; the engine's own
 //! kernels (model.rs) run the trained head. A test checks the two agree.
 
 use crate::engine::candle::llama::{self, Rope};
-use ops::{attention, attention_after_context, rms_norm, softmax};
+use ops::{attention, attention_unrolled, rms_norm};
 use crate::text::chat::Message;
 use crate::speculative::generate::StopReason;
 use crate::engine::cpu::model::{Config, Model};
@@ -107,6 +110,29 @@ pub fn continuations(lines: &[String], count: usize, seed: u64) -> Result<Vec<(S
             (TEMPLATES[0].replace("{}", &passages[p]), answer)
         })
         .collect())
+}
+
+/// Longest ShareGPT request taken, in tokens of the chat prompt. A tenth of the openings are pasted documents or
+/// code of thousands of tokens; one of them costs the prefill of dozens of short ones and teaches the head little
+/// more, and chat benchmarks ask in a few hundred.
+pub const SHAREGPT_MAX_PROMPT_TOKENS: usize = 512;
+
+/// The first `count` distinct requests that open a ShareGPT conversation, in file order, whose chat prompt is at
+/// most `max_tokens` tokens. File order keeps the selection prefix-stable: the first n of more are the n alone.
+pub fn sharegpt_prompts(conversations: &[crate::text::sharegpt::Conversation], count: usize, tok: &crate::text::tokenizer::Tokenizer, max_tokens: usize) -> Result<Vec<String>> {
+    let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
+    for request in conversations.iter().filter_map(|c| c.first_human_turn()).map(str::trim).filter(|r| !r.is_empty()) {
+        if out.len() == count {
+            break;
+        }
+        if seen.insert(request) && tok.chat_prompt(&[Message::new("user", request)])?.len() <= max_tokens {
+            out.push(request.to_string());
+        }
+    }
+    if out.len() < count {
+        bail!("the ShareGPT file holds only {} distinct opening requests of at most {max_tokens} tokens, not {count}", out.len());
+    }
+    Ok(out)
 }
 
 /// 0..n in a seeded random order (Fisher–Yates).
@@ -353,9 +379,9 @@ fn log_softmax(x: &Tensor) -> Result<Tensor> {
 type Keys = Vec<(Tensor, Tensor)>;
 
 /// The head's layer outputs for packed pairs `x` `[rows, 2H]` (embedding, feature) made of sequences of `lens`, and
-/// their keys and values. Each row attends causally to its own sequence, or with `context` (the keys and values of
-/// a pass on true features) to the context rows before it and to itself, as a draft step after the first does.
-fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], context: Option<&Keys>) -> Result<(Tensor, Keys)> {
+/// their keys and values. With no `earlier` passes each row attends causally to its own sequence (the pass on true
+/// features); as unrolled step j = `earlier.len()` it attends as the j-th draft of a chain does (`attention_unrolled`).
+fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], earlier: &[Keys]) -> Result<(Tensor, Keys)> {
     let [fc, q, k, v, o, norm, gate, up, down] = w else { unreachable!("nine tensors") };
     let h = pairs.matmul(&fc.t()?)?;
     let (qs, ks, vs) = (h.matmul(&q.t()?)?, h.matmul(&k.t()?)?, h.matmul(&v.t()?)?);
@@ -367,9 +393,10 @@ fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], context: Op
         let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
         let tables = rope.at(0, n, pairs.device())?;
         let (qh, kh, vh) = (ops::rope(&tables, &heads(&qs, d.heads)?)?, ops::rope(&tables, &heads(&ks, d.kv_heads)?)?, heads(&vs, d.kv_heads)?);
-        outs.push(match context {
-            None => attention(&qh, &kh, &vh, 0)?,
-            Some(c) => attention_after_context(&qh, &c[s].0, &c[s].1, &kh, &vh)?,
+        outs.push(if earlier.is_empty() {
+            attention(&qh, &kh, &vh, 0)?
+        } else {
+            attention_unrolled(&qh, &earlier.iter().map(|pass| pass[s].clone()).collect::<Vec<_>>(), &kh, &vh)?
         });
         keys.push((kh, vh));
         start += n;
@@ -381,10 +408,10 @@ fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], context: Op
     Ok(((h + act.matmul(&down.t()?)?)?, keys))
 }
 
-/// The rollout pass after a pass on true features `feats` gave `out` and `keys`: each position after the first of
-/// its sequence is fed what the head predicted for it one position earlier (detached; the first keeps its true
-/// feature) and attends to the true-feature rows before it and to itself.
-fn rollout_pass(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, out: &Tensor, keys: &Keys, lens: &[usize]) -> Result<Tensor> {
+/// Unrolled step j = `earlier.len()` after the pass on true features `feats`: each position after the first of its
+/// sequence is fed what step j − 1 predicted one position earlier (not detached: the chain is trained through, as in
+/// EAGLE-3), the first keeps its true feature. Returns the step's outputs and keys.
+fn unrolled_step(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, previous: &Tensor, earlier: &[Keys], lens: &[usize]) -> Result<(Tensor, Keys)> {
     let rows = feats.dims2()?.0;
     let mut index = Vec::with_capacity(rows);
     for &n in lens {
@@ -392,9 +419,9 @@ fn rollout_pass(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, out: &Te
         index.push(start);
         index.extend((start + 1..start + n as u32).map(|r| rows as u32 + r - 1));
     }
-    let pool = Tensor::cat(&[feats, &out.detach()], 0)?;
+    let pool = Tensor::cat(&[feats, previous], 0)?;
     let fed = pool.index_select(&Tensor::from_vec(index, rows, feats.device())?, 0)?;
-    Ok(forward(d, w, &Tensor::cat(&[emb, &fed], 1)?, lens, Some(keys))?.0)
+    forward(d, w, &Tensor::cat(&[emb, &fed], 1)?, lens, earlier)
 }
 
 /// What one optimisation step saw.
@@ -403,12 +430,16 @@ pub struct StepLog {
     pub step: usize,
     pub loss: f64,
     pub regression: f64,
+    /// Cross-entropy against the teacher distribution: `kl` + the teacher's entropy.
     pub classification: f64,
+    /// Forward KL from the teacher distribution to the head's.
+    #[serde(default)]
+    pub kl: f64,
     /// Share of counted positions where the head's argmax equals the target's.
     pub top1: f64,
-    /// The same when fed its own predicted features (the rollout pass), if trained with it.
-    #[serde(default)]
-    pub rollout_top1: Option<f64>,
+    /// The same at each unrolled step of the training-time test, fed the head's own features.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unrolled_top1: Vec<f64>,
     pub positions: usize,
     pub lr: f64,
 }
@@ -423,15 +454,25 @@ pub struct TrainSettings {
     pub warmup: usize,
     pub weight_decay: f64,
     pub checkpoint_every: usize,
-    /// Also train on the head's own predicted features (see `loss`).
-    pub rollout: bool,
-    /// Weight of the cross-entropy beside the feature regression. Left out of a run's identity at EAGLE's 0.1, so
-    /// folders made before it was a setting still resume.
+    /// Weight of the cross-entropy against the target's next-token distribution (forward KL plus a constant). Left
+    /// out of a run's identity at EAGLE's 0.1, so folders made before it was a setting still resume; likewise the
+    /// settings below at their defaults.
     #[serde(default = "eagle_classification_weight", skip_serializing_if = "is_eagle_classification_weight")]
     pub classification_weight: f64,
+    /// Weight of the feature regression (EAGLE-1's 1; EAGLE-3 drops it).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub feature_weight: f64,
+    /// Training-time test: draft steps unrolled after the teacher-forced pass, each fed the features the step before
+    /// it predicted (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub unroll: usize,
+    /// Weight of unrolled step j: `unroll_decay^j` (EAGLE-3's 0.8).
+    #[serde(default = "eagle3_unroll_decay", skip_serializing_if = "is_eagle3_unroll_decay")]
+    pub unroll_decay: f64,
 }
 
 pub const EAGLE_CLASSIFICATION_WEIGHT: f64 = 0.1;
+pub const EAGLE3_UNROLL_DECAY: f64 = 0.8;
 
 fn eagle_classification_weight() -> f64 {
     EAGLE_CLASSIFICATION_WEIGHT
@@ -439,6 +480,26 @@ fn eagle_classification_weight() -> f64 {
 
 fn is_eagle_classification_weight(w: &f64) -> bool {
     *w == EAGLE_CLASSIFICATION_WEIGHT
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn is_one(w: &f64) -> bool {
+    *w == 1.0
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+fn eagle3_unroll_decay() -> f64 {
+    EAGLE3_UNROLL_DECAY
+}
+
+fn is_eagle3_unroll_decay(w: &f64) -> bool {
+    *w == EAGLE3_UNROLL_DECAY
 }
 
 /// A batch: packed pairs, their sequence lengths, and which rows count with their teacher features.
@@ -449,11 +510,13 @@ struct Batch {
     feats: Tensor,
     lens: Vec<usize>,
     counted: Tensor,
+    /// Each counted row's position in its sequence: unrolled step j counts the rows at j or later.
+    positions: Vec<usize>,
     teacher: Tensor,
 }
 
 fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut ChaCha20Rng) -> Result<Batch> {
-    let (mut feats, mut next_tokens, mut lens, mut counted, mut teacher) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut feats, mut next_tokens, mut lens, mut counted, mut positions, mut teacher) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut row = 0u32;
     for c in convs {
         // Pairs (f_i, t_{i+1}) for i < n − 1; row i predicts f_{i+1}, known for i < n − 2, and counts when the token
@@ -464,6 +527,7 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut Ch
         for i in 0..pairs.saturating_sub(1) {
             if i + 2 >= c.prompt_len {
                 counted.push(row + i as u32);
+                positions.push(i);
                 teacher.extend_from_slice(&c.features[(i + 1) * hidden..(i + 2) * hidden]);
             }
         }
@@ -480,49 +544,83 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut Ch
         feats,
         lens,
         counted: Tensor::from_vec(counted, m, &dev)?,
+        positions,
         teacher: Tensor::from_vec(teacher, (m, hidden), &dev)?,
     })
 }
 
-/// The loss of one batch and what it measured.
-/// The teacher distribution at the counted rows, over the head's rows of the LM head.
-struct Targets<'a> {
+/// What a pass is scored against at its counted rows: the layer rows, the teacher features, and the teacher
+/// distribution over the head's rows of the LM head (its probabilities and log-probabilities).
+///
+/// The distribution is exact, not a stored top-k: the features are stored and the LM head is frozen, so
+/// softmax(LM head · f_{i+1}) is recomputed at every step for what a top-k cache would have cost on disk.
+struct Targets {
+    rows: Tensor,
+    features: Tensor,
     p: Tensor,
-    head: &'a Tensor,
+    log_p: Tensor,
 }
 
-fn targets<'a>(frozen: &'a Frozen, b: &Batch) -> Result<Targets<'a>> {
-    Ok(Targets { p: softmax(&b.teacher.matmul(&frozen.head.t()?)?)?, head: &frozen.head })
+impl Targets {
+    fn new(rows: Tensor, features: Tensor, head: &Tensor) -> Result<Targets> {
+        let log_p = log_softmax(&features.matmul(&head.t()?)?)?;
+        Ok(Targets { rows, features, p: log_p.exp()?, log_p })
+    }
+
+    /// The targets of the counted rows at sequence position `from` or later.
+    fn from_position(&self, positions: &[usize], from: usize) -> Result<Targets> {
+        let kept: Vec<u32> = (0..positions.len() as u32).filter(|&i| positions[i as usize] >= from).collect();
+        let kept = Tensor::from_vec(kept.clone(), kept.len(), self.rows.device())?;
+        let pick = |t: &Tensor| t.index_select(&kept, 0);
+        Ok(Targets { rows: pick(&self.rows)?, features: pick(&self.features)?, p: pick(&self.p)?, log_p: pick(&self.log_p)? })
+    }
 }
 
-/// Smooth-L1 against the teacher features + `weight` × cross-entropy against the teacher distribution, at the
-/// counted rows of the layer outputs `out`; also the loss parts and top-1 agreement.
-fn objective(out: &Tensor, b: &Batch, t: &Targets, weight: f64) -> Result<(Tensor, [f64; 3])> {
-    let out = out.index_select(&b.counted, 0)?;
-    let diff = (&out - &b.teacher)?.abs()?;
+/// Forward KL from the distribution of `teacher_logits` to that of `logits` (rows of each), averaged over rows.
+pub fn kl_divergence(teacher_logits: &Tensor, logits: &Tensor) -> Result<Tensor> {
+    let log_p = log_softmax(teacher_logits)?;
+    forward_kl(&log_p.exp()?, &log_p, &log_softmax(logits)?)
+}
+
+/// Σ p (log p − log q) per row, averaged; from log-probabilities, so a teacher probability that underflows to 0
+/// adds 0 and not 0 · −∞.
+fn forward_kl(p: &Tensor, log_p: &Tensor, log_q: &Tensor) -> Result<Tensor> {
+    Ok(p.mul(&(log_p - log_q)?)?.sum(1)?.mean_all()?)
+}
+
+/// `feature_weight` × smooth-L1 against the teacher features + `classification_weight` × cross-entropy against
+/// the teacher distribution, at the counted rows of the layer outputs `out`; also the loss parts and top-1
+/// agreement. Cross-entropy and forward KL differ by the teacher's entropy, a constant: the same gradient.
+fn objective(out: &Tensor, t: &Targets, head: &Tensor, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
+    let out = out.index_select(&t.rows, 0)?;
+    let diff = (&out - &t.features)?.abs()?;
     let small = diff.clamp(0f32, 1f32)?;
     let regression = ((small.sqr()? * 0.5)? + (diff - small)?)?.mean_all()?;
-    let logits = out.matmul(&t.head.t()?)?;
-    let classification = (t.p.mul(&log_softmax(&logits)?)?.sum(1)?.neg()?).mean_all()?;
-    let total = (&regression + (&classification * weight)?)?;
-    let agree = logits.argmax(1)?.eq(&t.p.argmax(1)?)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()? as f64;
-    Ok((total, [regression.to_scalar::<f32>()? as f64, classification.to_scalar::<f32>()? as f64, agree]))
+    let logits = out.matmul(&head.t()?)?;
+    let log_q = log_softmax(&logits)?;
+    let classification = (t.p.mul(&log_q)?.sum(1)?.neg()?).mean_all()?;
+    let kl = forward_kl(&t.p, &t.log_p, &log_q)?;
+    let total = ((&regression * s.feature_weight)? + (&classification * s.classification_weight)?)?;
+    let top1 = logits.argmax(1)?.eq(&t.p.argmax(1)?)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()? as f64;
+    let scalar = |x: &Tensor| -> Result<f64> { Ok(x.to_scalar::<f32>()? as f64) };
+    let log = StepLog { regression: scalar(&regression)?, classification: scalar(&classification)?, kl: scalar(&kl)?, top1, positions: t.rows.dims1()?, ..StepLog::default() };
+    Ok((total, log))
 }
 
-/// The loss of one batch. Pass 1 feeds true features. With `rollout`, pass 2 feeds every position after the first
-/// of its sequence the feature pass 1 predicted for it (detached) and lets it attend to the pass-1 rows before it:
-/// what the second draft of a step sees (true-feature rows in the cache, its own predicted feature). Its loss is
-/// added with the same weight.
+/// The loss of one batch: the pass on true features, then the training-time test's unrolled steps, step j weighted
+/// `unroll_decay^j` and scored on the rows that have a chain j drafts long.
 fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
-    let t = targets(frozen, b)?;
-    let (out, keys) = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens, None)?;
-    let (mut total, [regression, classification, top1]) = objective(&out, b, &t, s.classification_weight)?;
-    let mut log = StepLog { regression, classification, top1, positions: b.counted.dims1()?, ..StepLog::default() };
-    if s.rollout {
-        let out2 = rollout_pass(d, w, &b.emb, &b.feats, &out, &keys, &b.lens)?;
-        let (second, [_, _, top1]) = objective(&out2, b, &t, s.classification_weight)?;
-        total = (total + second)?;
-        log.rollout_top1 = Some(top1);
+    let t = Targets::new(b.counted.clone(), b.teacher.clone(), &frozen.head)?;
+    let (mut out, keys) = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens, &[])?;
+    let (mut total, mut log) = objective(&out, &t, &frozen.head, s)?;
+    let mut earlier = vec![keys];
+    for j in 1..=s.unroll {
+        let (next, keys) = unrolled_step(d, w, &b.emb, &b.feats, &out, &earlier, &b.lens)?;
+        let (part, step_log) = objective(&next, &t.from_position(&b.positions, j)?, &frozen.head, s)?;
+        total = (total + (part * s.unroll_decay.powi(j as i32))?)?;
+        log.unrolled_top1.push(step_log.top1);
+        earlier.push(keys);
+        out = next;
     }
     log.loss = total.to_scalar::<f32>()? as f64;
     Ok((total, log))
@@ -731,17 +829,25 @@ pub fn export(dir: &Path, state: &State, target: &Model) -> Result<()> {
 /// The head's logits (full vocabulary) at every draft position of `conv`, teacher-forced: `[tokens - 1, vocab]`.
 pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
     let (emb, feats, w) = teacher_forced_inputs(target, state, conv)?;
-    let (out, _) = forward(&target.config, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[conv.tokens.len() - 1], None)?;
+    let (out, _) = forward(&target.config, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[conv.tokens.len() - 1], &[])?;
     Ok(out.matmul(&dequantized(target.lm_head())?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// The layer outputs of the rollout pass along `conv` (no noise): row j is what a second draft step at position j
-/// computes from the head's own prediction of f_j, `[tokens - 1, hidden]`.
-pub fn rollout_outputs(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
+/// The layer outputs of the training-time test's unrolled steps 1..=`steps` along `conv` (no noise), `[tokens − 1,
+/// hidden]` each: row i of step j is what the (j + 1)-th draft of a step computes after catching up on the true
+/// features through position i − j.
+pub fn unrolled_outputs(target: &Model, state: &State, conv: &Conversation, steps: usize) -> Result<Vec<Vec<f32>>> {
     let (emb, feats, w) = teacher_forced_inputs(target, state, conv)?;
     let (d, lens) = (&target.config, [conv.tokens.len() - 1]);
-    let (out, keys) = forward(d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &lens, None)?;
-    Ok(rollout_pass(d, &w, &emb, &feats, &out, &keys, &lens)?.flatten_all()?.to_vec1::<f32>()?)
+    let (mut out, keys) = forward(d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &lens, &[])?;
+    let (mut earlier, mut all) = (vec![keys], Vec::with_capacity(steps));
+    for _ in 0..steps {
+        let (next, keys) = unrolled_step(d, &w, &emb, &feats, &out, &earlier, &lens)?;
+        all.push(next.flatten_all()?.to_vec1::<f32>()?);
+        earlier.push(keys);
+        out = next;
+    }
+    Ok(all)
 }
 
 /// The embeddings of t_{i+1} and the features f_i along `conv`, and the state's weights.

@@ -9,7 +9,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm_slow(x, w, eps as f32)?)
 }
 
-pub fn softmax(x: &Tensor) -> Result<Tensor> {
+fn softmax(x: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::ops::softmax(x, D::Minus1)?)
 }
 
@@ -32,18 +32,45 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Ten
     Ok(out.transpose(0, 1)?.reshape((n, heads * d))?)
 }
 
-/// Attention as a draft step sees it after its first draft: query row i attends to the context rows `k`, `v` before
-/// it (0..i, computed from true target features) and to its own row `k_own`, `v_own` (computed from a predicted
-/// feature), all `[kv_heads, n, d]` for queries `[heads, n, d]` at positions 0..n; returns `[n, heads · d]`.
-pub fn attention_after_context(q: &Tensor, k: &Tensor, v: &Tensor, k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
+/// Attention of draft step j = `earlier.len()` of a chain unrolled along a sequence (EAGLE-3's training-time test):
+/// query row i stands for the j-th draft after the true-feature row i − j, so it attends, as drafting does, to the
+/// true-feature rows 0..=i − j (`earlier[0]`), to the row each step 0 < k < j computed in the same chain (row
+/// i − j + k of `earlier[k]`) and to its own row `k_own`, `v_own`. Keys and values `[kv_heads, n, d]`, queries
+/// `[heads, n, d]`; returns `[n, heads · d]`. Rows i < j have no such chain; they are computed and never counted.
+pub fn attention_unrolled(q: &Tensor, earlier: &[(Tensor, Tensor)], k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
-    let (k, v, k_own, v_own) = (grouped(k, heads)?, grouped(v, heads)?, grouped(k_own, heads)?, grouped(v_own, heads)?);
+    let j = earlier.len();
     let scale = (d as f64).sqrt();
-    let context = (q.matmul(&k.t()?)? / scale)?.broadcast_add(&causal_mask(n, n, 0, true, q.device())?)?;
-    let own = ((q * &k_own)?.sum_keepdim(2)? / scale)?;
-    let p = softmax(&Tensor::cat(&[&context, &own], 2)?)?;
-    let out = (p.narrow(2, 0, n)?.matmul(&v)? + p.narrow(2, n, 1)?.broadcast_mul(&v_own)?)?;
+    let (k0, v0) = (grouped(&earlier[0].0, heads)?, grouped(&earlier[0].1, heads)?);
+    let mask: Vec<f32> = (0..n).flat_map(|i| (0..n).map(move |r| if r + j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    let mut scores = vec![(q.matmul(&k0.t()?)? / scale)?.broadcast_add(&Tensor::from_vec(mask, (n, n), q.device())?)?];
+    // The chain's own rows, moved down so that row i holds the one query i attends to.
+    let chain = earlier[1..].iter().enumerate().map(|(k, (kk, vv))| (kk, vv, j - 1 - k)).chain(std::iter::once((k_own, v_own, 0)));
+    let mut values = Vec::with_capacity(j);
+    for (kk, vv, shift) in chain {
+        let kk = grouped(&shifted_down(kk, shift)?, heads)?;
+        scores.push(((q * &kk)?.sum_keepdim(2)? / scale)?);
+        values.push(grouped(&shifted_down(vv, shift)?, heads)?);
+    }
+    let p = softmax(&Tensor::cat(&scores, 2)?)?;
+    let mut out = p.narrow(2, 0, n)?.matmul(&v0)?;
+    for (k, v) in values.iter().enumerate() {
+        out = (out + p.narrow(2, n + k, 1)?.broadcast_mul(v)?)?;
+    }
     Ok(out.transpose(0, 1)?.reshape((n, heads * d))?)
+}
+
+/// Rows of `t` `[kv_heads, n, d]` moved `by` rows down, zeros above.
+fn shifted_down(t: &Tensor, by: usize) -> Result<Tensor> {
+    let n = t.dim(1)?;
+    if by == 0 {
+        return Ok(t.clone());
+    }
+    let zeros = t.narrow(1, 0, by.min(n))?.zeros_like()?;
+    if by >= n {
+        return Ok(zeros);
+    }
+    Ok(Tensor::cat(&[&zeros, &t.narrow(1, 0, n - by)?], 1)?)
 }
 
 /// Keys or values `[kv_heads, n, d]` repeated for `heads` query heads (grouped-query attention).

@@ -3,8 +3,8 @@
 //! at the end, the head itself (config.json + model.safetensors), which the engine's EAGLE-1 loader reads.
 
 use super::{
-    checkpoint_due, continuations, export, load_teacher, prompts, save_teacher, self_prompts, teacher_data, teacher_forced, Conversation, State, StepLog,
-    TrainSettings, Trainer,
+    checkpoint_due, continuations, export, load_teacher, prompts, save_teacher, self_prompts, sharegpt_prompts, teacher_data, teacher_forced, Conversation,
+    State, StepLog, TrainSettings, Trainer, SHAREGPT_MAX_PROMPT_TOKENS,
 };
 use crate::loading::target::Target;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
@@ -26,6 +26,10 @@ pub struct TrainOptions {
     pub continuations: usize,
     /// Conversations whose request the target writes itself (Magpie) before answering it (0: none).
     pub self_prompts: usize,
+    /// Conversations opened by the requests of ShareGPT's users, answered by the target (0: none).
+    pub sharegpt: usize,
+    /// The ShareGPT file; the named asset `sharegpt` when absent.
+    pub sharegpt_file: Option<PathBuf>,
     pub max_new_tokens: usize,
     pub settings: TrainSettings,
     /// Another training folder whose teacher data this run may reuse.
@@ -55,6 +59,28 @@ const TEACHER_FILE: &str = "teacher.safetensors";
 const CONTINUATIONS_FILE: &str = "continuations.safetensors";
 const REQUESTS_FILE: &str = "self-prompts.json";
 const SELF_PROMPTED_FILE: &str = "self-prompts.safetensors";
+const SHAREGPT_FILE: &str = "sharegpt.safetensors";
+
+/// The ShareGPT requests this run answers, and the file they come from.
+fn sharegpt_requests(o: &TrainOptions, target: &Target) -> Result<(Vec<String>, PathBuf)> {
+    let path = match &o.sharegpt_file {
+        Some(p) => p.clone(),
+        None => crate::loading::assets::require("sharegpt")?,
+    };
+    let file = crate::text::sharegpt::read(&path)?;
+    let requests = sharegpt_prompts(&file.conversations, o.sharegpt, &target.tokenizer, SHAREGPT_MAX_PROMPT_TOKENS).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    if !o.quiet {
+        let opened = file.conversations.iter().filter(|c| c.first_human_turn().is_some()).count();
+        let cut = file.cut_bytes.map(|n| format!(" before a record cut off after {n} bytes (ignored)")).unwrap_or_default();
+        eprintln!(
+            "{}: {} complete conversations{cut}, {opened} opened by a person; answering the first {} distinct requests of at most {SHAREGPT_MAX_PROMPT_TOKENS} tokens",
+            path.display(),
+            file.conversations.len(),
+            requests.len()
+        );
+    }
+    Ok((requests, path))
+}
 
 fn read_requests(path: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -140,20 +166,29 @@ pub struct Trained {
     /// Every step of the run, resumed ones included.
     pub log: Vec<StepLog>,
     pub title: String,
-    pub classification_weight: f64,
+    pub settings: TrainSettings,
 }
 
 /// Train (or resume) a head; `None` for `--steps 0`, which writes the untrained head and logs no steps.
 pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     let s = &o.settings;
-    if s.batch == 0 || o.prompts == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
-        bail!("--batch, --prompts, --max-new-tokens and --checkpoint-every must be at least 1");
+    if s.batch == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
+        bail!("--batch, --max-new-tokens and --checkpoint-every must be at least 1");
     }
-    if s.batch > o.prompts + o.continuations + o.self_prompts {
-        bail!("--batch {} is larger than --prompts {}, --continuations {} and --self-prompts {} together", s.batch, o.prompts, o.continuations, o.self_prompts);
+    if s.batch > o.prompts + o.continuations + o.self_prompts + o.sharegpt {
+        bail!(
+            "--batch {} is larger than --prompts {}, --continuations {}, --self-prompts {} and --sharegpt {} together",
+            s.batch,
+            o.prompts,
+            o.continuations,
+            o.self_prompts,
+            o.sharegpt
+        );
     }
-    if !(s.classification_weight.is_finite() && s.classification_weight >= 0.0) {
-        bail!("--classification-weight must be a finite number ≥ 0, not {}", s.classification_weight);
+    for (flag, w) in [("--classification-weight", s.classification_weight), ("--feature-weight", s.feature_weight), ("--unroll-decay", s.unroll_decay)] {
+        if !(w.is_finite() && w >= 0.0) {
+            bail!("{flag} must be a finite number ≥ 0, not {w}");
+        }
     }
     let files = crate::vocab::corpus_files(&o.corpus)?;
     let mut lines = Vec::new();
@@ -176,6 +211,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         (Some(rule), Some(f)) => Some(Frequencies::load(f)?.keep_set(*rule, target.model.config.vocab, &target.tokenizer.stop_ids)?),
         _ => bail!("training against a pruned vocabulary needs both --freq and --ratio/--keep"),
     };
+    let sharegpt = if o.sharegpt > 0 { Some(sharegpt_requests(o, &target)?) } else { None };
 
     // What the teacher data depends on; the rest of the identity is how the head is trained.
     let mut data_identity = serde_json::json!({
@@ -217,6 +253,15 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     if o.self_prompts > 0 {
         identity["self_prompts"] = self_prompt_identity;
     }
+    if let Some((_, file)) = &sharegpt {
+        identity["sharegpt"] = serde_json::json!({
+            "target_sha256": data_identity["target_sha256"],
+            "file_sha256": crate::outputs::manifest::sha256(file)?,
+            "count": o.sharegpt,
+            "max_prompt_tokens": SHAREGPT_MAX_PROMPT_TOKENS,
+            "max_new_tokens": o.max_new_tokens,
+        });
+    }
     // Which parts of another run's teacher data to take over: each one made the same way, so a run with more
     // generated conversations can still take the other's continuations, and one with fewer the first of them.
     // Checked before anything is written.
@@ -224,10 +269,11 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     if let Some(other) = &o.teacher_from {
         let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
-        let parts: [(&str, &str, &[&str]); 3] = [
+        let parts: [(&str, &str, &[&str]); 4] = [
             ("data", "prompts", &[TEACHER_FILE]),
             ("continuations", "count", &[CONTINUATIONS_FILE]),
             ("self_prompts", "count", &[REQUESTS_FILE, SELF_PROMPTED_FILE]),
+            ("sharegpt", "count", &[SHAREGPT_FILE]),
         ];
         for (part, count_key, files) in parts {
             if let Some(take) = identity.get(part).and_then(|ours| taken(ours, theirs.get(part)?, count_key)) {
@@ -236,7 +282,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         }
         if reuse.is_empty() {
             bail!(
-                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted conversations) was made from this target, corpus, answer length and seed in at least this count",
+                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted or ShareGPT conversations) was made from this target, corpus, answer length and seed in at least this count",
                 other.display()
             );
         }
@@ -266,7 +312,12 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             take_over(from, to, *take, hidden)?;
         }
     }
-    let mut data = cached(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| teacher_data(&target, &prompts, o.max_new_tokens, on_done))?;
+    let mut data = Vec::new();
+    if !prompts.is_empty() {
+        data.extend(cached(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| {
+            teacher_data(&target, &prompts, o.max_new_tokens, on_done)
+        })?);
+    }
     if !continuations.is_empty() {
         data.extend(cached(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", o.quiet, hidden, &mut |on_done| {
             teacher_forced(&target, &continuations, o.max_new_tokens, on_done)
@@ -277,6 +328,11 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         let requests = cached_self_prompts(&o.out.join(REQUESTS_FILE), &target, o)?;
         data.extend(cached(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", o.quiet, hidden, &mut |on_done| {
             teacher_data(&target, &requests, o.max_new_tokens, on_done)
+        })?);
+    }
+    if let Some((requests, _)) = &sharegpt {
+        data.extend(cached(&o.out.join(SHAREGPT_FILE), requests.len(), "ShareGPT answers", o.quiet, hidden, &mut |on_done| {
+            teacher_data(&target, requests, o.max_new_tokens, on_done)
         })?);
     }
 
@@ -318,5 +374,5 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     let log: Vec<StepLog> = std::fs::read_to_string(&log_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let title = format!("EAGLE-1 head for {} · {} conversations · {} steps × {} conversations", o.target, data.len(), s.steps, s.batch);
     eprintln!("head written to {} ({} steps, {:.0} s this run)", o.out.display(), state.step, started.elapsed().as_secs_f64());
-    Ok(Some(Trained { log, title, classification_weight: s.classification_weight }))
+    Ok(Some(Trained { log, title, settings: s.clone() }))
 }
