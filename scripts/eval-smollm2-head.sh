@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Acceptance of the shipped SmolLM2 EAGLE-1 head on all 80 MT-Bench first turns (k = 4, T = 0, 128 new tokens),
 # beside an untrained head of the same shape and the truncated-target stand-in, and at ratios 0.5 / 0.75 / 0.9 with
-# the Brown frequency file. Writes results/train/eval/<draft>/ (summary, manifest, report.md).
-# Usage: scripts/eval-smollm2-head.sh [path to a frspec binary] [trained|untrained|truncated16 ...]  (default: all)
+# the Brown frequency file. Writes results/train/eval/<draft>/ (runs, summary, manifest, report.md); another head
+# given as NAME=FOLDER is evaluated like the shipped one into results/train/eval/NAME/, and `frspec compare
+# results/train/eval/trained results/train/eval/NAME` pairs the two.
+# Usage: scripts/eval-smollm2-head.sh [path to a frspec binary] [trained|untrained|truncated16|NAME=FOLDER ...]
+#        (default: the first three)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 frspec=${1:-$(scripts/frspec-bin.sh)}
@@ -21,9 +24,15 @@ run() {
   [[ $wanted == *" $name "* ]] || return 0
   "$frspec" sweep "${common[@]}" "$@" --out "$work/$name"
   mkdir -p "results/train/eval/$name"
-  cp "$work/$name/summary.parquet" "$work/$name/timing_summary.parquet" "$work/$name/manifest.json" "results/train/eval/$name/"
+  cp "$work/$name/runs.parquet" "$work/$name/summary.parquet" "$work/$name/timing_summary.parquet" "$work/$name/manifest.json" "results/train/eval/$name/"
   "$frspec" report "$work/$name" --out "results/train/eval/$name/report.md"
 }
 run trained --draft heads/smollm2-135m-eagle1 --draft-kind eagle --ratios 0,0.5,0.75,0.9
 run untrained --draft "$work/untrained-head" --draft-kind eagle --ratios 0
 run truncated16 --draft-kind truncated:16 --ratios 0
+for arg in $wanted; do
+  if [[ $arg == *=* ]]; then
+    wanted+=" ${arg%%=*} "
+    run "${arg%%=*}" --draft "${arg#*=}" --draft-kind eagle --ratios 0,0.5,0.75,0.9
+  fi
+done

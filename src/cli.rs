@@ -191,6 +191,17 @@ pub enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Two sweeps of the same prompts side by side (another head, engine or setting): each cell's mean acceptance
+    /// length in both and the paired difference (other − base) with its bootstrap interval over prompts.
+    Compare {
+        /// The base sweep folder (runs.parquet).
+        base: PathBuf,
+        /// The sweep compared with it.
+        other: PathBuf,
+        /// Write the Markdown table to this file instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Compare a sweep with a baseline sweep: exit 0 pass, 1 regression, 2 unusable input.
     Check {
         /// The baseline sweep folder (summary.parquet + manifest.json).

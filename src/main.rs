@@ -150,6 +150,16 @@ fn run(cli: Cli) -> Result<()> {
                 None => print!("{text}"),
             }
         }
+        Command::Compare { base, other, out } => {
+            use frspec::outputs::compare;
+            let rows = compare::compare(&compare::runs(&base)?, &compare::runs(&other)?, frspec::stats::Bootstrap::default())?;
+            let name = |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned());
+            let table = compare::table(&rows, &name(&base), &name(&other));
+            match out {
+                Some(path) => frspec::files::write_atomic(&path, table.as_bytes())?,
+                None => print!("{table}"),
+            }
+        }
         Command::Check { baseline, current, metric, tolerance, update_baseline } => {
             if update_baseline {
                 frspec::outputs::check::update_baseline(&baseline, &current)?;

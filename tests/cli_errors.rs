@@ -500,3 +500,14 @@ fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
     let empty_cache = tempfile::tempdir().unwrap();
     failed("no-asset", "1", &[], &[("FRSPEC_CACHE", empty_cache.path())], &["ShareGPT V3 conversations is not at", "scripts/fetch-assets.sh sharegpt"]);
 }
+
+#[test]
+fn comparing_folders_that_hold_no_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let err = fails(&["compare", d, d], &[]);
+    assert!(err.contains("holds no runs.parquet: is it a sweep folder?"), "{err}");
+    std::fs::write(dir.path().join("runs.parquet"), "not parquet").unwrap();
+    let err = fails(&["compare", d, d], &[]);
+    assert!(err.contains("runs.parquet is not a readable Parquet file"), "{err}");
+}

@@ -108,6 +108,29 @@ fn writes_the_tables_with_their_schema_and_counts_and_repeats_them_byte_for_byte
     assert!(manifest["crates"]["polars"].is_string() && manifest["crates"]["candle-core"].is_string(), "{manifest}");
     assert!(manifest["git_commit"].is_string() && manifest["hardware"]["threads"].as_u64().unwrap() >= 1);
     assert_eq!((manifest["units_total"].as_u64(), manifest["units_resumed"].as_u64()), (Some(3 + 3 * 2), Some(0)));
+
+    // `frspec compare` pairs two sweeps cell by cell: the same sweep twice differs by nothing on any prompt.
+    let mut compare = frspec();
+    compare.args(["compare", a.to_str().unwrap(), b.to_str().unwrap()]);
+    let table = ok(compare);
+    assert_eq!(table.lines().count(), 2 + 4, "{table}");
+    assert!(table.lines().skip(2).all(|l| l.contains("| +0.000 [+0.000, +0.000] |") && l.ends_with("| 0 / 0 |")), "{table}");
+    // Read back, the runs give the summary's paired differences: ratio 0.5 against ratio 0, as if two sweeps.
+    use frspec::outputs::{compare, store::RunCounts};
+    let runs = compare::runs(&a).unwrap();
+    assert_eq!(runs.len(), runs_height(&a));
+    let at = |ratio: f64| runs.iter().filter(|r| r.ratio == ratio).map(|r| RunCounts { ratio: 0.0, ..r.clone() }).collect::<Vec<_>>();
+    let rows = compare::compare(&at(0.0), &at(0.5), frspec::stats::Bootstrap::default()).unwrap();
+    let temperature: Vec<f32> = summary.column("temperature").unwrap().f32().unwrap().into_no_null_iter().collect();
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        let i = (0..ratio.len()).find(|&i| ratio[i] == 0.5 && temperature[i] == row.temperature).unwrap();
+        assert!((row.difference.value - diff[i]).abs() < 1e-12, "T = {}: {} against the summary's {}", row.temperature, row.difference.value, diff[i]);
+    }
+}
+
+fn runs_height(dir: &Path) -> usize {
+    frspec::outputs::store::read(&dir.join("runs.parquet")).unwrap().height()
 }
 
 #[test]

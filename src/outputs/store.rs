@@ -3,7 +3,7 @@
 //! runs.parquet and summary.parquet hold only what the seed determines, so the same sweep writes them byte for
 //! byte again; every clock reading goes to timings.parquet (per run) and timing_summary.parquet (per cell).
 
-use crate::stats::{Counts, Estimate, Interval};
+use crate::stats::{Counts, Estimate, Interval, Unit};
 use crate::summary::{CellSummary, CellTiming};
 use crate::sweep::Run;
 use anyhow::{anyhow, Context, Result};
@@ -171,6 +171,38 @@ fn estimates(df: &DataFrame, path: &Path, name: &str) -> Result<Vec<Estimate>> {
             t: t_lo[i].zip(t_hi[i]).map(|(lo, hi)| Interval { lo, hi }),
         })
         .collect())
+}
+
+/// One run of runs.parquet: its cell and its counts as a resampling unit.
+#[derive(Clone, Debug)]
+pub struct RunCounts {
+    pub ratio: f64,
+    pub temperature: f32,
+    pub unit: Unit,
+}
+
+/// runs.parquet back into counts per run (the per-position counts as far as the file has columns for them).
+pub fn read_runs(path: &Path) -> Result<Vec<RunCounts>> {
+    let df = read(path)?;
+    let f = |name: &str| required(path, name, f64s(&df, path, name)?);
+    let u = |name: &str| u64s(&df, path, name);
+    let (ratio, temperature, repeat, expected) = (f("ratio")?, f("temperature")?, u("repeat")?, f("expected_accepted")?);
+    let (drafts, draft_tokens, accepted) = (u("drafts")?, u("draft_tokens")?, u("accepted")?);
+    let question = values(&df, path, "question_id", |c| Ok(c.str()?.iter().map(|s| s.map(String::from)).collect()))?;
+    let positions = (1..).take_while(|i| df.column(&format!("accepted_pos{i}")).is_ok()).map(|i| u(&format!("accepted_pos{i}"))).collect::<Result<Vec<_>>>()?;
+    (0..df.height())
+        .map(|i| {
+            let prompt = question[i].clone().ok_or_else(|| anyhow!("{}: column `question_id` has nulls", path.display()))?;
+            let counts = Counts {
+                drafts: drafts[i],
+                draft_tokens: draft_tokens[i],
+                accepted: accepted[i],
+                expected_accepted: expected[i],
+                accepted_per_pos: positions.iter().map(|p| p[i]).collect(),
+            };
+            Ok(RunCounts { ratio: ratio[i], temperature: temperature[i] as f32, unit: Unit { prompt, repeat: repeat[i] as usize, counts } })
+        })
+        .collect()
 }
 
 /// summary.parquet back into cells.
