@@ -142,6 +142,9 @@ fn cached(path: &Path, count: usize, label: &str, quiet: bool, hidden: usize, ma
 fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str) -> Option<Option<usize>> {
     let count = |v: &serde_json::Value| v.get(count_key).and_then(|c| c.as_u64());
     let (n, available) = (count(ours)?, count(theirs)?);
+    if n == 0 {
+        return None;
+    }
     let mut same_count = theirs.clone();
     same_count[count_key] = ours[count_key].clone();
     (same_count == *ours && available >= n).then_some((available > n).then_some(n as usize))
