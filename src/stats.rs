@@ -193,6 +193,11 @@ pub fn estimate(units: &[Unit], metric: Metric, b: Bootstrap) -> Estimate {
     Estimate { value: metric.of(&g.total), bootstrap: percentile_interval(boot), t: t_interval(&per_repeat) }
 }
 
+/// `metric` of each prompt's pooled counts, in sorted prompt order.
+pub fn by_prompt(units: &[Unit], metric: Metric) -> Vec<f64> {
+    group(units, &prompts_of(units)).by_prompt.iter().map(|c| metric.of(c)).collect()
+}
+
 /// `metric(units) − metric(baseline)` with intervals from the same prompt resamples (bootstrap) and the
 /// per-repeat differences (t). Both cells must cover the same prompts and repeats.
 pub fn paired_difference(units: &[Unit], baseline: &[Unit], metric: Metric, b: Bootstrap) -> anyhow::Result<Estimate> {

@@ -2,8 +2,9 @@
 //! resampling the same prompts for both (`stats::paired_difference`). What tells whether one draft (a retrained
 //! head, another engine) is better than another, or only looks it.
 
+use super::report::with_ci;
 use super::store::{self, RunCounts};
-use crate::stats::{estimate, paired_difference, Bootstrap, Estimate, Metric, Unit};
+use crate::stats::{by_prompt, estimate, paired_difference, Bootstrap, Estimate, Metric, Unit};
 use anyhow::{bail, Result};
 use std::path::Path;
 
@@ -68,26 +69,15 @@ pub fn compare(base: &[RunCounts], other: &[RunCounts], b: Bootstrap) -> Result<
         .collect()
 }
 
-/// Each prompt's mean acceptance length in `units`, pooled over its turns and repeats, by prompt.
-fn by_prompt(units: &[Unit]) -> std::collections::BTreeMap<&str, f64> {
-    let mut pooled: std::collections::BTreeMap<&str, crate::stats::Counts> = Default::default();
-    for u in units {
-        pooled.entry(u.prompt.as_str()).or_default().add(&u.counts);
-    }
-    pooled.into_iter().map(|(p, c)| (p, Metric::MeanAcceptanceLength.of(&c))).collect()
-}
-
-/// Prompts better, worse and the same in `other`; both hold the same prompts.
+/// Prompts better, worse and the same in `other`; both hold the same prompts (checked before).
 fn per_prompt(base: &[Unit], other: &[Unit]) -> (usize, usize, usize) {
-    let (a, o) = (by_prompt(base), by_prompt(other));
-    let order = |p: &str, v: f64| o[p].total_cmp(&v);
-    let count = |want: std::cmp::Ordering| a.iter().filter(|(p, v)| order(p, **v) == want).count();
+    let (a, o) = (by_prompt(base, Metric::MeanAcceptanceLength), by_prompt(other, Metric::MeanAcceptanceLength));
+    let count = |want: std::cmp::Ordering| a.iter().zip(&o).filter(|(x, y)| y.total_cmp(x) == want).count();
     (count(std::cmp::Ordering::Greater), count(std::cmp::Ordering::Less), count(std::cmp::Ordering::Equal))
 }
 
 /// The rows as a Markdown table.
 pub fn table(rows: &[Row], base_name: &str, other_name: &str) -> String {
-    let ci = |e: &Estimate, d: usize| format!("{:.d$} [{:.d$}, {:.d$}]", e.value, e.bootstrap.lo, e.bootstrap.hi, d = d);
     let signed = |e: &Estimate, d: usize| format!("{:+.d$} [{:+.d$}, {:+.d$}]", e.value, e.bootstrap.lo, e.bootstrap.hi, d = d);
     let mut out = format!(
         "| ratio | T | prompts | mean acceptance length, {base_name} | mean acceptance length, {other_name} | paired difference | acceptance rate difference (points) | better / worse |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n"
@@ -98,8 +88,8 @@ pub fn table(rows: &[Row], base_name: &str, other_name: &str) -> String {
             r.ratio,
             r.temperature,
             r.prompts,
-            ci(&r.base, 3),
-            ci(&r.other, 3),
+            with_ci(&r.base, 3),
+            with_ci(&r.other, 3),
             signed(&r.difference, 3),
             signed(&r.rate_difference, 1),
             r.better,

@@ -6,7 +6,7 @@ use crate::stats::Estimate;
 use crate::summary::{CellSummary, CellTiming};
 use std::fmt::Write;
 
-fn with_ci(e: &Estimate, decimals: usize) -> String {
+pub(crate) fn with_ci(e: &Estimate, decimals: usize) -> String {
     format!("{:.d$} [{:.d$}, {:.d$}]", e.value, e.bootstrap.lo, e.bootstrap.hi, d = decimals)
 }
 

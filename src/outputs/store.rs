@@ -173,6 +173,11 @@ fn estimates(df: &DataFrame, path: &Path, name: &str) -> Result<Vec<Estimate>> {
         .collect())
 }
 
+/// How many `accepted_pos{i}` columns a table has (one per draft position of its k).
+fn position_columns(df: &DataFrame) -> usize {
+    (1..).take_while(|i| df.column(&format!("accepted_pos{i}")).is_ok()).count()
+}
+
 /// One run of runs.parquet: its cell and its counts as a resampling unit.
 #[derive(Clone, Debug)]
 pub struct RunCounts {
@@ -189,7 +194,7 @@ pub fn read_runs(path: &Path) -> Result<Vec<RunCounts>> {
     let (ratio, temperature, repeat, expected) = (f("ratio")?, f("temperature")?, u("repeat")?, f("expected_accepted")?);
     let (drafts, draft_tokens, accepted) = (u("drafts")?, u("draft_tokens")?, u("accepted")?);
     let question = values(&df, path, "question_id", |c| Ok(c.str()?.iter().map(|s| s.map(String::from)).collect()))?;
-    let positions = (1..).take_while(|i| df.column(&format!("accepted_pos{i}")).is_ok()).map(|i| u(&format!("accepted_pos{i}"))).collect::<Result<Vec<_>>>()?;
+    let positions = (1..=position_columns(&df)).map(|i| u(&format!("accepted_pos{i}"))).collect::<Result<Vec<_>>>()?;
     (0..df.height())
         .map(|i| {
             let prompt = question[i].clone().ok_or_else(|| anyhow!("{}: column `question_id` has nulls", path.display()))?;
@@ -217,7 +222,7 @@ pub fn read_summary(path: &Path) -> Result<Vec<CellSummary>> {
     let (length, rate, rb_length, rb_rate) =
         (est("mean_acceptance_length")?, est("acceptance_rate")?, est("rb_mean_acceptance_length")?, est("rb_acceptance_rate")?);
     let (baseline, length_diff, rate_diff) = (f("baseline_ratio")?, est("mean_acceptance_length_diff")?, est("acceptance_rate_diff")?);
-    let positions = (1..).take_while(|i| df.column(&format!("accepted_pos{i}")).is_ok()).count();
+    let positions = position_columns(&df);
     let per_position = (1..=positions).map(|i| est(&format!("accepted_pos{i}"))).collect::<Result<Vec<_>>>()?;
     Ok((0..df.height())
         .map(|i| CellSummary {

@@ -424,6 +424,18 @@ fn unrolled_step(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, previou
     forward(d, w, &Tensor::cat(&[emb, &fed], 1)?, lens, earlier)
 }
 
+/// The layer outputs of the pass on true features and of `steps` unrolled steps after it, in order.
+fn passes(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, lens: &[usize], steps: usize) -> Result<Vec<Tensor>> {
+    let (first, keys) = forward(d, w, &Tensor::cat(&[emb, feats], 1)?, lens, &[])?;
+    let (mut outs, mut earlier) = (vec![first], vec![keys]);
+    for _ in 0..steps {
+        let (next, keys) = unrolled_step(d, w, emb, feats, outs.last().expect("the first pass"), &earlier, lens)?;
+        outs.push(next);
+        earlier.push(keys);
+    }
+    Ok(outs)
+}
+
 /// What one optimisation step saw.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct StepLog {
@@ -611,16 +623,12 @@ fn objective(out: &Tensor, t: &Targets, head: &Tensor, s: &TrainSettings) -> Res
 /// `unroll_decay^j` and scored on the rows that have a chain j drafts long.
 fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
     let t = Targets::new(b.counted.clone(), b.teacher.clone(), &frozen.head)?;
-    let (mut out, keys) = forward(d, w, &Tensor::cat(&[&b.emb, &b.feats], 1)?, &b.lens, &[])?;
-    let (mut total, mut log) = objective(&out, &t, &frozen.head, s)?;
-    let mut earlier = vec![keys];
-    for j in 1..=s.unroll {
-        let (next, keys) = unrolled_step(d, w, &b.emb, &b.feats, &out, &earlier, &b.lens)?;
-        let (part, step_log) = objective(&next, &t.from_position(&b.positions, j)?, &frozen.head, s)?;
+    let outs = passes(d, w, &b.emb, &b.feats, &b.lens, s.unroll)?;
+    let (mut total, mut log) = objective(&outs[0], &t, &frozen.head, s)?;
+    for (j, out) in outs.iter().enumerate().skip(1) {
+        let (part, step_log) = objective(out, &t.from_position(&b.positions, j)?, &frozen.head, s)?;
         total = (total + (part * s.unroll_decay.powi(j as i32))?)?;
         log.unrolled_top1.push(step_log.top1);
-        earlier.push(keys);
-        out = next;
     }
     log.loss = total.to_scalar::<f32>()? as f64;
     Ok((total, log))
@@ -838,16 +846,8 @@ pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation)
 /// features through position i − j.
 pub fn unrolled_outputs(target: &Model, state: &State, conv: &Conversation, steps: usize) -> Result<Vec<Vec<f32>>> {
     let (emb, feats, w) = teacher_forced_inputs(target, state, conv)?;
-    let (d, lens) = (&target.config, [conv.tokens.len() - 1]);
-    let (mut out, keys) = forward(d, &w, &Tensor::cat(&[&emb, &feats], 1)?, &lens, &[])?;
-    let (mut earlier, mut all) = (vec![keys], Vec::with_capacity(steps));
-    for _ in 0..steps {
-        let (next, keys) = unrolled_step(d, &w, &emb, &feats, &out, &earlier, &lens)?;
-        all.push(next.flatten_all()?.to_vec1::<f32>()?);
-        earlier.push(keys);
-        out = next;
-    }
-    Ok(all)
+    let outs = passes(&target.config, &w, &emb, &feats, &[conv.tokens.len() - 1], steps)?;
+    outs[1..].iter().map(|o| Ok(o.flatten_all()?.to_vec1::<f32>()?)).collect()
 }
 
 /// The embeddings of t_{i+1} and the features f_i along `conv`, and the state's weights.
