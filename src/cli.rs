@@ -219,7 +219,8 @@ pub enum Command {
         #[arg(long)]
         update_baseline: bool,
     },
-    /// Train an EAGLE-1 head for a target on its own answers to prompts made from a corpus; resumable.
+    /// Train an EAGLE-1 or EAGLE-3 head for a target on its own answers to prompts (from a corpus, ShareGPT or the
+    /// target itself); resumable.
     TrainEagle {
         /// The frozen target: a named asset, a .gguf/.safetensors file, a model folder or a hub repo id.
         #[arg(long, default_value = DEFAULT_MODEL)]
@@ -283,12 +284,21 @@ pub enum Command {
         #[arg(long, default_value_t = frspec::train::EAGLE3_UNROLL_DECAY)]
         unroll_decay: f64,
         /// Weight of the cross-entropy against the target's next-token distribution (forward KL plus a constant)
-        /// beside the feature regression (EAGLE-1's 0.1).
-        #[arg(long, default_value_t = frspec::train::EAGLE_CLASSIFICATION_WEIGHT)]
-        classification_weight: f64,
-        /// Weight of the feature regression (EAGLE-1's 1; 0 trains on the token distribution alone, as EAGLE-3).
-        #[arg(long, default_value_t = 1.0)]
-        feature_weight: f64,
+        /// beside the feature regression: EAGLE-1's 0.1 by default, 1 (the whole objective) for --arch eagle3.
+        #[arg(long)]
+        classification_weight: Option<f64>,
+        /// Weight of the feature regression: EAGLE-1's 1 by default (0 trains on the token distribution alone);
+        /// an EAGLE-3 head has none.
+        #[arg(long)]
+        feature_weight: Option<f64>,
+        /// The head trained: eagle1 (fc over embedding and final feature, the target's LM head) or eagle3 (fc over
+        /// three of the target's residual streams, its own norm and LM head over a draft vocabulary).
+        #[arg(long, value_enum, default_value = "eagle1")]
+        arch: frspec::train::Arch,
+        /// EAGLE-3's draft vocabulary: this many of the ids the target's answers hold most often (default: a quarter
+        /// of the target's vocabulary, EAGLE-3's 32k of Llama-3's 128k).
+        #[arg(long)]
+        draft_vocab: Option<usize>,
         /// Reuse the teacher data of another training folder made from the same target, corpus and seed, in as many
         /// conversations or more (then its first ones).
         #[arg(long)]

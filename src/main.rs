@@ -109,7 +109,7 @@ fn run(cli: Cli) -> Result<()> {
             print_sweep(&settings, &outcome, &format!("{} units joined from {} shards", outcome.units_resumed, shards.len()), &out);
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, unroll, unroll_decay, classification_weight, feature_weight, teacher_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, unroll, unroll_decay, classification_weight, feature_weight, arch, draft_vocab, teacher_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -118,8 +118,26 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(rule) = keep {
                 rule.validate()?;
             }
-            let settings =
-                frspec::train::TrainSettings { steps, seed, batch, lr, warmup, weight_decay, checkpoint_every, classification_weight, feature_weight, unroll, unroll_decay };
+            if draft_vocab.is_some() && arch != frspec::train::Arch::Eagle3 {
+                bail!("--draft-vocab is the draft vocabulary of an EAGLE-3 head: it needs --arch eagle3");
+            }
+            let (default_features, default_tokens) = arch.loss_weights();
+            let settings = frspec::train::TrainSettings {
+                steps,
+                seed,
+                batch,
+                lr,
+                warmup,
+                weight_decay,
+                checkpoint_every,
+                classification_weight: classification_weight.unwrap_or(default_tokens),
+                feature_weight: feature_weight.unwrap_or(default_features),
+                unroll,
+                unroll_decay,
+                arch,
+                // 0: a quarter of the target's vocabulary, which is known once the target is loaded.
+                draft_vocab: draft_vocab.unwrap_or(0),
+            };
             let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
             let options = frspec::train::TrainOptions {
                 target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, settings, teacher_from, freq, keep,

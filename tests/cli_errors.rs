@@ -334,9 +334,11 @@ fn bad_training_input() {
     assert!(err.contains("freq/brown-smollm2.safetensors") && err.contains("scripts/build-freq.sh"), "{err}");
     assert!(!out.exists(), "no partial output");
 
-    let err = fails(&[&base[..], &["--classification-weight=-1"]].concat(), &[]);
-    assert!(err.contains("--classification-weight must be a finite number ≥ 0"), "{err}");
-    assert!(!out.exists(), "no partial output");
+    for (flag, value) in [("--classification-weight", "-1"), ("--feature-weight", "-0.5"), ("--feature-weight", "inf"), ("--unroll-decay", "NaN")] {
+        let err = fails(&[&base[..], &[&format!("{flag}={value}")]].concat(), &[]);
+        assert!(err.contains(&format!("{flag} must be a finite number ≥ 0")), "{flag} {value}: {err}");
+        assert!(!out.exists(), "no partial output");
+    }
 
     // A templates file whose second template has no place for the passage, and one that is not a list.
     let templates = dir.path().join("templates.json");
@@ -440,6 +442,63 @@ fn teacher_data_is_reused_part_by_part() {
     let (done, _) = run("first", "2", "3", &[]);
     let err = String::from_utf8_lossy(&done.stderr);
     assert!(!done.status.success() && err.contains("holds another training run (differs in: self_prompts)"), "{err}");
+}
+
+#[test]
+fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one_are_one_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    let words = ["the", "river", "town", "council", "voted", "to", "build", "a", "new", "bridge"];
+    let lines: Vec<String> = (0..12).map(|i| (0..8).map(|j| words[(i * 3 + j * 7) % words.len()]).collect::<Vec<_>>().join(" ")).collect();
+    std::fs::write(&corpus, lines.join("\n")).unwrap();
+    // EAGLE-3 reads three residual streams: a target of 8 layers.
+    let model = tempfile::tempdir().unwrap();
+    synthetic::write_model(model.path(), &Shape { layers: 8, ..Shape::tiny() }, 1, candle_core::DType::F32).unwrap();
+    let (m, c) = (model.path().to_str().unwrap(), corpus.to_str().unwrap());
+    let args = |target: &str, out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["train-eagle", "--target", target, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", "2"].map(String::from).to_vec();
+        a.extend(["--batch", "1", "--max-new-tokens", "8", "--steps", "2", "--quiet"].map(String::from));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |out: &str, extra: &[&str]| {
+        let out = dir.path().join(out);
+        let done = frspec().args(args(m, &out, extra)).output().unwrap();
+        assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+        out
+    };
+    let eagle1 = run("eagle1", &[]);
+    let taken = run("taken", &["--arch", "eagle3", "--draft-vocab", "64", "--teacher-from", eagle1.to_str().unwrap()]);
+    let alone = run("alone", &["--arch", "eagle3", "--draft-vocab", "64"]);
+    // The EAGLE-1 run's answers, with the target's streams added by forcing them through it: byte for byte what
+    // generating them with the streams records, and so the same head.
+    let bytes = |p: std::path::PathBuf| std::fs::read(p).unwrap();
+    for file in ["teacher.safetensors", "model.safetensors"] {
+        assert_eq!(bytes(taken.join(file)), bytes(alone.join(file)), "{file}");
+    }
+    let target = frspec::loading::target::Target::load(m).unwrap();
+    let (before, after) = (frspec::train::load_teacher(&eagle1.join("teacher.safetensors"), 64).unwrap(), frspec::train::load_teacher(&taken.join("teacher.safetensors"), 64).unwrap());
+    for (b, a) in before.iter().zip(&after) {
+        assert_eq!((&b.tokens, &b.features), (&a.tokens, &a.features));
+        assert!(b.layers.is_empty() && a.layers.len() == 3 * a.features.len());
+    }
+    let draft = frspec::engine::cpu::draft::Eagle3Draft::load(&taken, &target.model).unwrap();
+    assert_eq!(frspec::speculative::Draft::lm_head(&draft).matrix.rows, 64);
+
+    let failed = |target: &str, out: &str, extra: &[&str], expected: &str| {
+        let out = dir.path().join(out);
+        let a = args(target, &out, extra);
+        let err = fails(&a.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+        assert!(err.contains(expected) && err.lines().count() == 1, "{extra:?}: {err}");
+        assert!(!out.exists(), "no partial output");
+    };
+    failed(m, "pruned", &["--arch", "eagle3", "--freq", "brown-smollm2", "--ratio", "0.5"], "drafts over its own draft vocabulary (--draft-vocab), not a keep set");
+    failed(m, "features", &["--arch", "eagle3", "--feature-weight", "1"], "--arch eagle3 has no feature regression");
+    failed(m, "vocab-eagle1", &["--draft-vocab", "64"], "--draft-vocab is the draft vocabulary of an EAGLE-3 head: it needs --arch eagle3");
+    failed(m, "vocab-large", &["--arch", "eagle3", "--draft-vocab", "300"], "--draft-vocab 300 is larger than the target's vocabulary of 260");
+    failed(m, "untrained", &["--arch", "eagle3", "--steps", "0"], "an untrained head needs at least one step");
+    let shallow = synthetic_dir();
+    failed(shallow.path().to_str().unwrap(), "shallow", &["--arch", "eagle3"], "reads three residual streams of the target, which has 2 layers (at least 4 needed)");
 }
 
 #[test]

@@ -1,13 +1,14 @@
-//! EAGLE-1 head training on a tiny synthetic target: the loss falls, a resumed run continues exactly where an
-//! uninterrupted one is, and the exported head computes in the engine what it computed in training (the unrolled
-//! steps of the training-time test included).
+//! EAGLE-1 and EAGLE-3 head training on tiny synthetic targets: the loss falls, a resumed run continues exactly
+//! where an uninterrupted one is, and the exported head computes in the engine what it computed in training (the
+//! unrolled steps of the training-time test included).
 
-use frspec::engine::cpu::draft::EagleDraft;
+use frspec::engine::cpu::draft::{Eagle3Draft, EagleDraft};
+use frspec::engine::cpu::model::Model;
 use frspec::engine::cpu::CpuFeatures;
 use frspec::speculative::{Context, Draft};
 use frspec::synthetic::{self, Shape};
 use frspec::loading::target::Target;
-use frspec::train::{self, Conversation, State, TrainSettings, Trainer};
+use frspec::train::{self, Arch, Conversation, State, TrainSettings, Trainer};
 
 fn corpus() -> Vec<String> {
     let words = ["the", "river", "town", "council", "voted", "to", "build", "a", "new", "bridge", "over", "quiet", "water", "and", "school"];
@@ -27,16 +28,23 @@ fn settings(steps: usize) -> TrainSettings {
         feature_weight: 1.0,
         unroll: 2,
         unroll_decay: frspec::train::EAGLE3_UNROLL_DECAY,
+        arch: Arch::Eagle1,
+        draft_vocab: 0,
     }
 }
 
-fn setup() -> (tempfile::TempDir, Target, Vec<Conversation>) {
+/// A tiny target of `layers` layers and its answers to eight prompts, with the inputs of the layers `arch` reads.
+fn target_and_data(layers: usize, arch: Arch) -> (tempfile::TempDir, Target, Vec<Conversation>) {
     let dir = tempfile::tempdir().unwrap();
-    synthetic::write_model(dir.path(), &Shape::tiny(), 3, candle_core::DType::F32).unwrap();
+    synthetic::write_model(dir.path(), &Shape { layers, ..Shape::tiny() }, 3, candle_core::DType::F32).unwrap();
     let target = Target::load(dir.path().to_str().unwrap()).unwrap();
     let prompts = train::prompts(&corpus(), 8, 1, &train::TEMPLATES).unwrap();
-    let data = train::teacher_data(&target, &prompts, 24, &mut |_| {}).unwrap();
+    let data = train::teacher_data(&target, &prompts, 24, &arch.capture(&target.model.config), &mut |_| {}).unwrap();
     (dir, target, data)
+}
+
+fn setup() -> (tempfile::TempDir, Target, Vec<Conversation>) {
+    target_and_data(Shape::tiny().layers, Arch::Eagle1)
 }
 
 #[test]
@@ -125,7 +133,7 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     trainer.run(&mut state, 5, &mut |_, _| Ok(())).unwrap();
     let head = dir.path().join("head");
     std::fs::create_dir_all(&head).unwrap();
-    train::export(&head, &state, &target.model).unwrap();
+    train::export(&head, &state, &target.model, None).unwrap();
 
     let exported = State::from_head(&head).unwrap();
     let conv = &data[0];
@@ -134,27 +142,94 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     let h = target.model.config.hidden;
     let features = CpuFeatures::from_hidden(conv.features.clone(), h);
     let ctx = Context { tokens: &conv.tokens, features: &features };
-    let got = draft.teacher_forced_logits(&ctx).unwrap();
-    draft.reset();
-    assert_eq!(got.len(), expected.len());
-    let worst = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let worst = worst_difference(&draft.teacher_forced_logits(&ctx).unwrap(), &expected);
     assert!(worst < 1e-3, "engine and training forward differ by {worst}");
 
-    // Unrolled step j at position i computes what the engine's (j + 1)-th draft of a step does: catch up on true
-    // features through position i − j, then extend j times with the next tokens, each fed the head's own output.
     let unrolled = train::unrolled_outputs(&target.model, &exported, conv, 3).unwrap();
+    assert_unrolled_steps_are_the_engines_drafts(&mut draft, &unrolled, conv, &features);
+}
+
+/// Unrolled step j at position i computes what the engine's (j + 1)-th draft of a step does: catch up on true
+/// inputs through position i − j, then extend j times with the next tokens, each fed the head's own output.
+fn assert_unrolled_steps_are_the_engines_drafts(draft: &mut dyn Draft<Model>, unrolled: &[Vec<f32>], conv: &Conversation, features: &CpuFeatures) {
+    let h = unrolled[0].len() / (conv.tokens.len() - 1);
     for (j, step) in unrolled.iter().enumerate().map(|(j, s)| (j + 1, s)) {
         for i in [j, conv.tokens.len() / 2, conv.tokens.len() - 2] {
             draft.reset();
             // Features beyond the tokens given are not read.
-            draft.catch_up(&Context { tokens: &conv.tokens[..=i + 1 - j], features: &features }).unwrap();
+            draft.catch_up(&Context { tokens: &conv.tokens[..=i + 1 - j], features }).unwrap();
             let mut got = Vec::new();
             for t in &conv.tokens[i + 2 - j..=i + 1] {
                 got = draft.extend(*t).unwrap();
             }
-            let worst = got.iter().zip(&step[i * h..(i + 1) * h]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            let worst = worst_difference(&got, &step[i * h..(i + 1) * h]);
             assert!(worst < 1e-3, "step {j}, position {i}: the engine's draft {} and the unrolled step differ by {worst}", j + 1);
         }
+    }
+}
+
+fn worst_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max)
+}
+
+#[test]
+fn an_eagle3_head_learns_and_runs_in_the_engine_as_it_trained() {
+    let (dir, target, data) = target_and_data(8, Arch::Eagle3);
+    let capture = Arch::Eagle3.capture(&target.model.config);
+    assert_eq!(capture, [2, 4, 5]);
+    assert!(data.iter().all(|c| c.layers.len() == (c.tokens.len() - 1) * 3 * 64));
+    // Forcing an answer through the target gives the streams generating it recorded (how an EAGLE-1 run's teacher
+    // data is taken over).
+    for c in &data[..2] {
+        assert_eq!(&train::forced(&target.model, c.tokens.clone(), c.prompt_len, &capture).unwrap(), c);
+    }
+    let vocab = train::draft_vocabulary(&data, 100, 260).unwrap();
+    let (features, tokens) = Arch::Eagle3.loss_weights();
+    let settings = TrainSettings { arch: Arch::Eagle3, feature_weight: features, classification_weight: tokens, draft_vocab: 100, ..settings(40) };
+    let trainer = Trainer { target: &target, data: &data, keep: Some(&vocab), settings };
+    let all: Vec<&Conversation> = data.iter().collect();
+    let mut state = trainer.start().unwrap();
+    let before = trainer.evaluate(&state, &all).unwrap();
+    trainer.run(&mut state, 40, &mut |_, _| Ok(())).unwrap();
+    let after = trainer.evaluate(&state, &all).unwrap();
+    // The random target's next-token distributions are nearly flat, so the cross-entropy is mostly their entropy:
+    // what the head learns shows in the KL.
+    assert!(after.loss < before.loss && after.kl < 0.5 * before.kl && after.top1 > before.top1, "{before:?} → {after:?}");
+    assert!(after.regression == 0.0 && after.unrolled_top1.len() == 2, "{after:?}");
+
+    let head = dir.path().join("eagle3-head");
+    std::fs::create_dir_all(&head).unwrap();
+    train::export(&head, &state, &target.model, Some(&vocab)).unwrap();
+    let exported = State::from_head(&head).unwrap();
+    assert_eq!(exported.arch, Arch::Eagle3);
+    let mut draft = Eagle3Draft::load(&head, &target.model).unwrap();
+    assert_eq!(draft.target_layers(), capture);
+    assert_eq!(draft.lm_head().row_ids.as_deref(), Some(&vocab.ids), "d2t maps the draft rows to the draft vocabulary");
+    let conv = &data[0];
+    let mut features = CpuFeatures::new(64, &capture);
+    (features.hidden, features.layers) = (conv.features.clone(), conv.layers.clone());
+    let ctx = Context { tokens: &conv.tokens, features: &features };
+    let worst = worst_difference(&draft.teacher_forced_logits(&ctx).unwrap(), &train::teacher_forced_logits(&target.model, &exported, conv).unwrap());
+    assert!(worst < 1e-3, "engine and training forward differ by {worst}");
+    let unrolled = train::unrolled_outputs(&target.model, &exported, conv, 3).unwrap();
+    assert_unrolled_steps_are_the_engines_drafts(&mut draft, &unrolled, conv, &features);
+}
+
+#[test]
+fn the_draft_vocabulary_is_the_answers_most_frequent_ids_in_id_order() {
+    let conv = |tokens: Vec<u32>, prompt_len| Conversation { tokens, prompt_len, features: Vec::new(), layers: Vec::new() };
+    // Answers 5 5 7 and 7 7 2: 7 three times, 5 twice, 2 once; the prompts' 9s and 1 do not count.
+    let data = [conv(vec![9, 9, 9, 5, 5, 7], 3), conv(vec![1, 7, 7, 2], 1)];
+    let ids = |size| train::draft_vocabulary(&data, size, 10).unwrap().ids;
+    assert_eq!(ids(1), [7]);
+    assert_eq!(ids(2), [5, 7]);
+    assert_eq!(ids(3), [2, 5, 7]);
+    // Fewer distinct ids than asked for: the lowest unused ones fill it.
+    assert_eq!(ids(5), [0, 1, 2, 5, 7]);
+    for size in [0, 11] {
+        let err = train::draft_vocabulary(&data, size, 10).unwrap_err().to_string();
+        assert!(err.contains("--draft-vocab must be between 1 and the target's vocabulary of 10"), "{err}");
     }
 }
 
@@ -162,7 +237,7 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
 fn teacher_forcing_the_targets_own_answer_gives_its_generation_features() {
     let (_dir, target, data) = setup();
     for c in &data[..3] {
-        assert_eq!(&train::forced(&target.model, c.tokens.clone(), c.prompt_len).unwrap(), c);
+        assert_eq!(&train::forced(&target.model, c.tokens.clone(), c.prompt_len, &[]).unwrap(), c);
     }
     // A continuation is answered by the corpus passages that follow the one it quotes.
     let lines = corpus();
@@ -172,7 +247,7 @@ fn teacher_forcing_the_targets_own_answer_gives_its_generation_features() {
         let p = passages.iter().position(|x| prompt.ends_with(x.as_str())).expect("the prompt quotes a passage");
         assert!(answer.starts_with(&passages[p + 1]), "{answer}");
     }
-    let convs = train::teacher_forced(&target, &pairs, 10, &mut |_| {}).unwrap();
+    let convs = train::teacher_forced(&target, &pairs, 10, &[], &mut |_| {}).unwrap();
     assert!(convs.iter().all(|c| c.tokens.len() == c.prompt_len + 10 && c.features.len() == (c.tokens.len() - 1) * 64));
 }
 

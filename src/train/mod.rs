@@ -159,6 +159,13 @@ pub struct Conversation {
     pub prompt_len: usize,
     /// Post-norm target features of every token but the last, `[tokens.len() - 1, hidden]`, f16-rounded.
     pub features: Vec<f32>,
+    /// The residual streams entering the target layers an EAGLE-3 head reads, at the same positions,
+    /// `[tokens.len() - 1, layers · hidden]`, f16-rounded; empty when none were captured (EAGLE-1).
+    pub layers: Vec<f32>,
+}
+
+fn f16_rounded(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
 }
 
 /// Magpie's sampling (Xu et al. 2024): temperature 1 over the whole vocabulary, so requests are as varied as what
@@ -205,15 +212,14 @@ pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize,
 /// to 8 activation rows.
 const ANSWER_BATCH: usize = 8;
 
-/// Let the target answer every prompt greedily, keeping its features.
-pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
+/// Let the target answer every prompt greedily, keeping its features and the inputs of the `capture` layers.
+pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, capture: &[usize], on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
     let tok = &target.tokenizer;
     let mut out = Vec::with_capacity(prompts.len());
     for batch in prompts.chunks(ANSWER_BATCH) {
         let chats = batch.iter().map(|p| tok.chat_prompt(&[Message::new("user", p)])).collect::<Result<Vec<_>>>()?;
-        for (c, prompt) in crate::speculative::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, &[])?.into_iter().zip(&chats) {
-            let features = c.features.hidden.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
-            let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features };
+        for (c, prompt) in crate::speculative::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, capture)?.into_iter().zip(&chats) {
+            let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features: f16_rounded(&c.features.hidden), layers: f16_rounded(&c.features.layers) };
             on_done(&conv);
             out.push(conv);
         }
@@ -224,51 +230,65 @@ pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, 
 /// Teacher-forced conversations: each prompt in the chat format followed by its answer text (at most
 /// `max_answer_tokens` tokens), forwarded once through the target for its features. Several times faster per token
 /// than generating, and the answers are varied text rather than the target's own.
-pub fn teacher_forced(target: &Target, pairs: &[(String, String)], max_answer_tokens: usize, on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
+pub fn teacher_forced(target: &Target, pairs: &[(String, String)], max_answer_tokens: usize, capture: &[usize], on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
     let tok = &target.tokenizer;
     let mut out = Vec::with_capacity(pairs.len());
     for (prompt, answer) in pairs {
         let mut tokens = tok.chat_prompt(&[Message::new("user", prompt)])?;
         let prompt_len = tokens.len();
         tokens.extend(tok.encode(answer)?.into_iter().take(max_answer_tokens));
-        let conv = forced(&target.model, tokens, prompt_len)?;
+        let conv = forced(&target.model, tokens, prompt_len, capture)?;
         on_done(&conv);
         out.push(conv);
     }
     Ok(out)
 }
 
-/// The conversation `tokens` (a prompt of `prompt_len` tokens, then its answer) with the target's features, from one
-/// forward. On the target's own greedy answer it equals what `teacher_data` recorded while generating.
-pub fn forced(model: &Model, tokens: Vec<u32>, prompt_len: usize) -> Result<Conversation> {
+/// The conversation `tokens` (a prompt of `prompt_len` tokens, then its answer) with the target's features and the
+/// inputs of the `capture` layers, from one forward. On the target's own greedy answer it equals what `teacher_data`
+/// recorded while generating.
+pub fn forced(model: &Model, tokens: Vec<u32>, prompt_len: usize, capture: &[usize]) -> Result<Conversation> {
     if prompt_len == 0 || tokens.len() <= prompt_len {
         bail!("a conversation needs a prompt and an answer ({prompt_len} of {} tokens are prompt)", tokens.len());
     }
-    let hidden = model.forward(&tokens, &mut model.new_cache(), &[], &[])?.hidden;
-    let features = hidden[..(tokens.len() - 1) * model.config.hidden].iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
-    Ok(Conversation { tokens, prompt_len, features })
+    let f = model.forward(&tokens, &mut model.new_cache(), &[], capture)?;
+    let mut captured = crate::engine::cpu::CpuFeatures::new(model.config.hidden, capture);
+    captured.append(&f.hidden, &f.layer_inputs);
+    let rows = tokens.len() - 1;
+    let features = f16_rounded(&captured.hidden[..rows * model.config.hidden]);
+    let layers = f16_rounded(&captured.layers[..rows * capture.len() * model.config.hidden]);
+    Ok(Conversation { tokens, prompt_len, features, layers })
 }
 
 /// Save conversations as one safetensors file (tokens, offsets, prompt lengths, f16 features).
 pub fn save_teacher(path: &Path, convs: &[Conversation], hidden: usize) -> Result<()> {
     let mut tokens = Vec::new();
     let mut offsets = vec![0i64];
-    let mut features = Vec::new();
+    let (mut features, mut layers) = (Vec::new(), Vec::new());
     for c in convs {
         tokens.extend(c.tokens.iter().map(|&t| t as i64));
         offsets.push(tokens.len() as i64);
         features.extend(c.features.iter().map(|&x| half::f16::from_f32(x)));
+        layers.extend(c.layers.iter().map(|&x| half::f16::from_f32(x)));
     }
     let prompt_lens: Vec<i64> = convs.iter().map(|c| c.prompt_len as i64).collect();
     let dev = Device::Cpu;
     let rows = features.len() / hidden;
-    let tensors = [
+    let mut tensors: HashMap<String, Tensor> = [
         ("tokens", Tensor::from_vec(tokens.clone(), tokens.len(), &dev)?),
         ("offsets", Tensor::from_vec(offsets.clone(), offsets.len(), &dev)?),
         ("prompt_lens", Tensor::from_vec(prompt_lens, convs.len(), &dev)?),
         ("features", Tensor::from_vec(features, (rows, hidden), &dev)?),
-    ];
-    save_tensors(&tensors.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), path)
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    // Absent when no layers were captured, so EAGLE-1 teacher data stays as it was.
+    if !layers.is_empty() {
+        let width = layers.len() / rows.max(1);
+        tensors.insert("layers".into(), Tensor::from_vec(layers, (rows, width), &dev)?);
+    }
+    save_tensors(&tensors, path)
 }
 
 pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
@@ -278,6 +298,10 @@ pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
     let offsets = get("offsets")?.to_vec1::<i64>()?;
     let prompt_lens = get("prompt_lens")?.to_vec1::<i64>()?;
     let features = get("features")?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let (layers, width) = match t.get("layers") {
+        Some(l) => (l.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, l.dim(1)?),
+        None => (Vec::new(), 0),
+    };
     let mut out = Vec::new();
     let mut row = 0;
     for (i, w) in offsets.windows(2).enumerate() {
@@ -287,43 +311,125 @@ pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
             tokens: tokens[a..b].iter().map(|&t| t as u32).collect(),
             prompt_len: prompt_lens[i] as usize,
             features: features[row * hidden..(row + n - 1) * hidden].to_vec(),
+            layers: layers.get(row * width..(row + n - 1) * width).unwrap_or_default().to_vec(),
         });
         row += n - 1;
     }
     Ok(out)
 }
 
-/// The head's trainable tensors, in yuhuili's key names.
-pub const KEYS: [&str; 9] = [
-    "fc.weight",
-    "layers.0.self_attn.q_proj.weight",
-    "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight",
-    "layers.0.post_attention_layernorm.weight",
-    "layers.0.mlp.gate_proj.weight",
-    "layers.0.mlp.up_proj.weight",
-    "layers.0.mlp.down_proj.weight",
-];
+/// Which head is trained.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// fc over (embedding, final feature), one decoder layer, the target's LM head.
+    #[default]
+    Eagle1,
+    /// fc over three of the target's residual streams, one layer over (normed embedding, normed input), its own
+    /// norm and LM head over a draft vocabulary.
+    Eagle3,
+}
 
-/// The shape of one head tensor, from the target's dimensions.
-fn head_shape(c: &Config, key: &str) -> Vec<usize> {
-    let (h, q, kv, i) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate);
-    match key {
-        "fc.weight" => vec![h, 2 * h],
-        "layers.0.self_attn.q_proj.weight" => vec![q, h],
-        "layers.0.self_attn.k_proj.weight" | "layers.0.self_attn.v_proj.weight" => vec![kv, h],
-        "layers.0.self_attn.o_proj.weight" => vec![h, q],
-        "layers.0.post_attention_layernorm.weight" => vec![h],
-        "layers.0.mlp.gate_proj.weight" | "layers.0.mlp.up_proj.weight" => vec![i, h],
-        "layers.0.mlp.down_proj.weight" => vec![h, i],
-        _ => unreachable!("a head key"),
+impl Arch {
+    fn is_eagle1(&self) -> bool {
+        *self == Arch::Eagle1
+    }
+
+    /// The head's trainable tensors, in yuhuili's key names: the nine both share (fc, the layer), in this order, then
+    /// EAGLE-3's input norms, final norm and LM head.
+    pub fn keys(self) -> &'static [&'static str] {
+        const EAGLE1: [&str; 9] = [
+            "fc.weight",
+            "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight",
+            "layers.0.self_attn.o_proj.weight",
+            "layers.0.post_attention_layernorm.weight",
+            "layers.0.mlp.gate_proj.weight",
+            "layers.0.mlp.up_proj.weight",
+            "layers.0.mlp.down_proj.weight",
+        ];
+        const EAGLE3: [&str; 13] = [
+            "fc.weight",
+            "midlayer.self_attn.q_proj.weight",
+            "midlayer.self_attn.k_proj.weight",
+            "midlayer.self_attn.v_proj.weight",
+            "midlayer.self_attn.o_proj.weight",
+            "midlayer.post_attention_layernorm.weight",
+            "midlayer.mlp.gate_proj.weight",
+            "midlayer.mlp.up_proj.weight",
+            "midlayer.mlp.down_proj.weight",
+            "midlayer.input_layernorm.weight",
+            "midlayer.hidden_norm.weight",
+            "norm.weight",
+            "lm_head.weight",
+        ];
+        match self {
+            Arch::Eagle1 => &EAGLE1,
+            Arch::Eagle3 => &EAGLE3,
+        }
+    }
+
+    /// The arch whose keys a safetensors file holds.
+    fn of(tensors: &HashMap<String, Tensor>) -> Arch {
+        if tensors.contains_key(Arch::Eagle3.keys()[1]) {
+            Arch::Eagle3
+        } else {
+            Arch::Eagle1
+        }
+    }
+
+    /// The target layers whose incoming residual streams the head reads (none for EAGLE-1).
+    pub fn capture(self, target: &Config) -> Vec<usize> {
+        match self {
+            Arch::Eagle1 => Vec::new(),
+            Arch::Eagle3 => crate::engine::cpu::draft::eagle3_default_layers(target.layers),
+        }
+    }
+
+    /// The default weights of the feature regression and of the token term: EAGLE-1's 1 and 0.1; EAGLE-3 has the
+    /// token term alone.
+    pub fn loss_weights(self) -> (f64, f64) {
+        match self {
+            Arch::Eagle1 => (1.0, EAGLE_CLASSIFICATION_WEIGHT),
+            Arch::Eagle3 => (0.0, 1.0),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Eagle1 => "EAGLE-1",
+            Arch::Eagle3 => "EAGLE-3",
+        }
     }
 }
 
-/// Initial weights: fc passes the feature half through (identity) and mixes in the embedding lightly; the layer
-/// starts small (N(0, 0.02), output projections scaled down) so the head first predicts f_{i+1} ≈ f_i.
-fn initial(d: &Config, seed: u64) -> Result<Vec<Tensor>> {
+/// The shape of one head tensor, from the target's dimensions and the rows of the head's vocabulary.
+fn head_shape(c: &Config, arch: Arch, key: &str, vocab_rows: usize) -> Vec<usize> {
+    let (h, q, kv, i) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim, c.intermediate);
+    // EAGLE-3's attention reads (embedding, input) side by side; its fc reads three residual streams.
+    let (attn_in, fc_in) = match arch {
+        Arch::Eagle1 => (h, 2 * h),
+        Arch::Eagle3 => (2 * h, 3 * h),
+    };
+    let name = key.rsplit_once("self_attn.").or(key.rsplit_once("mlp.")).map_or(key, |(_, k)| k);
+    match name {
+        "fc.weight" => vec![h, fc_in],
+        "q_proj.weight" => vec![q, attn_in],
+        "k_proj.weight" | "v_proj.weight" => vec![kv, attn_in],
+        "o_proj.weight" => vec![h, q],
+        "gate_proj.weight" | "up_proj.weight" => vec![i, h],
+        "down_proj.weight" => vec![h, i],
+        "lm_head.weight" => vec![vocab_rows, h],
+        _ => vec![h],
+    }
+}
+
+/// Initial weights. EAGLE-1: fc passes the feature half through (identity) and mixes in the embedding lightly, so
+/// the head first predicts f_{i+1} ≈ f_i. EAGLE-3: fc passes the highest residual stream through, and the final
+/// norm and LM head start as the target's own (its rows of the draft vocabulary), so the head first reads that
+/// stream as an early exit of the target. The layer starts small (N(0, 0.02), output projections scaled down).
+fn initial(d: &Config, arch: Arch, seed: u64, target_norm: &[f32], target_head: &Tensor) -> Result<Vec<Tensor>> {
     let mut rng = ChaCha20Rng::seed_from_u64(seed);
     let mut normal = |n: usize, std: f32| -> Vec<f32> {
         (0..n)
@@ -334,27 +440,116 @@ fn initial(d: &Config, seed: u64) -> Result<Vec<Tensor>> {
             })
             .collect()
     };
+    let vocab_rows = target_head.dim(0)?;
     let mut out = Vec::new();
-    for key in KEYS {
-        let shape = head_shape(d, key);
+    for &key in arch.keys() {
+        let shape = head_shape(d, arch, key, vocab_rows);
         let n: usize = shape.iter().product();
         let values = match key {
             "fc.weight" => {
-                let h = d.hidden;
+                let (h, width) = (d.hidden, shape[1]);
                 let mut w = normal(n, 0.02);
+                // The passed-through block is the last h columns: the feature (EAGLE-1), the highest stream (EAGLE-3).
                 for r in 0..h {
-                    w[r * 2 * h + h..r * 2 * h + 2 * h].iter_mut().for_each(|x| *x *= 0.1);
-                    w[r * 2 * h + h + r] += 1.0;
+                    let passed = r * width + width - h;
+                    w[passed..passed + h].iter_mut().for_each(|x| *x *= 0.1);
+                    w[passed + r] += 1.0;
                 }
                 w
             }
-            "layers.0.post_attention_layernorm.weight" => vec![1.0; n],
-            "layers.0.self_attn.o_proj.weight" | "layers.0.mlp.down_proj.weight" => normal(n, 0.002),
+            "norm.weight" => target_norm.to_vec(),
+            "lm_head.weight" => target_head.flatten_all()?.to_vec1::<f32>()?,
+            k if k.ends_with("norm.weight") => vec![1.0; n],
+            k if k.ends_with("o_proj.weight") || k.ends_with("down_proj.weight") => normal(n, 0.002),
             _ => normal(n, 0.02),
         };
         out.push(Tensor::from_vec(values, shape, &Device::Cpu)?);
     }
     Ok(out)
+}
+
+/// The head's weights by role (`Arch::keys` order).
+struct Weights<'a> {
+    fc: &'a Tensor,
+    layer: [&'a Tensor; 8],
+    eagle3: Option<Eagle3Weights<'a>>,
+}
+
+struct Eagle3Weights<'a> {
+    input_norm: &'a Tensor,
+    hidden_norm: &'a Tensor,
+    norm: &'a Tensor,
+    lm_head: &'a Tensor,
+}
+
+impl<'a> Weights<'a> {
+    fn of(w: &'a [Tensor]) -> Weights<'a> {
+        match w {
+            [fc, q, k, v, o, post, gate, up, down, rest @ ..] => Weights {
+                fc,
+                layer: [q, k, v, o, post, gate, up, down],
+                eagle3: match rest {
+                    [input_norm, hidden_norm, norm, lm_head] => Some(Eagle3Weights { input_norm, hidden_norm, norm, lm_head }),
+                    _ => None,
+                },
+            },
+            _ => unreachable!("a head has nine or thirteen tensors"),
+        }
+    }
+
+    /// What the first pass is fed from the batch's inputs: the features themselves (EAGLE-1), or fc of the
+    /// residual streams (EAGLE-3), which later steps replace with the layer's own output.
+    fn first_fed(&self, inputs: &Tensor) -> Result<Tensor> {
+        Ok(match self.eagle3 {
+            None => inputs.clone(),
+            Some(_) => inputs.matmul(&self.fc.t()?)?,
+        })
+    }
+
+    /// The layer's residual input and attention input at rows fed `fed` with next-token embeddings `emb`.
+    fn layer_input(&self, emb: &Tensor, fed: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+        Ok(match &self.eagle3 {
+            None => {
+                let h = Tensor::cat(&[emb, fed], 1)?.matmul(&self.fc.t()?)?;
+                (h.clone(), h)
+            }
+            Some(e) => (fed.clone(), Tensor::cat(&[&rms_norm(emb, e.input_norm, eps)?, &rms_norm(fed, e.hidden_norm, eps)?], 1)?),
+        })
+    }
+
+    /// What the head's LM head reads from layer outputs: the outputs themselves (EAGLE-1), or their final norm.
+    fn head_input(&self, out: &Tensor, eps: f64) -> Result<Tensor> {
+        match &self.eagle3 {
+            None => Ok(out.clone()),
+            Some(e) => rms_norm(out, e.norm, eps),
+        }
+    }
+
+    /// Logits over the head's vocabulary: through the target's LM head rows `target_head` (EAGLE-1) or the head's
+    /// own.
+    fn logits(&self, out: &Tensor, target_head: &Tensor, eps: f64) -> Result<Tensor> {
+        let head = self.eagle3.as_ref().map_or(target_head, |e| e.lm_head);
+        Ok(self.head_input(out, eps)?.matmul(&head.t()?)?)
+    }
+}
+
+/// EAGLE-3's draft vocabulary: the `size` ids the target's answers in `data` hold most often (ties to the lower
+/// id), in id order, as d2t needs them; when the answers hold fewer distinct ids, the lowest unused ones fill it.
+pub fn draft_vocabulary(data: &[Conversation], size: usize, vocab: usize) -> Result<KeepSet> {
+    if size == 0 || size > vocab {
+        bail!("--draft-vocab must be between 1 and the target's vocabulary of {vocab}, not {size}");
+    }
+    let mut counts = vec![0u64; vocab];
+    for c in data {
+        for &t in &c.tokens[c.prompt_len..] {
+            counts[t as usize] += 1;
+        }
+    }
+    let mut order: Vec<u32> = (0..vocab as u32).collect();
+    order.sort_by_key(|&t| std::cmp::Reverse(counts[t as usize]));
+    let mut ids = order[..size].to_vec();
+    ids.sort_unstable();
+    Ok(KeepSet { ids, vocab })
 }
 
 /// The frozen pieces of the target the head trains against.
@@ -378,20 +573,21 @@ fn log_softmax(x: &Tensor) -> Result<Tensor> {
 /// Keys and values of each sequence of a pass, after RoPE: what later draft positions attend to.
 type Keys = Vec<(Tensor, Tensor)>;
 
-/// The head's layer outputs for packed pairs `x` `[rows, 2H]` (embedding, feature) made of sequences of `lens`, and
-/// their keys and values. With no `earlier` passes each row attends causally to its own sequence (the pass on true
-/// features); as unrolled step j = `earlier.len()` it attends as the j-th draft of a chain does (`attention_unrolled`).
-fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], earlier: &[Keys]) -> Result<(Tensor, Keys)> {
-    let [fc, q, k, v, o, norm, gate, up, down] = w else { unreachable!("nine tensors") };
-    let h = pairs.matmul(&fc.t()?)?;
-    let (qs, ks, vs) = (h.matmul(&q.t()?)?, h.matmul(&k.t()?)?, h.matmul(&v.t()?)?);
+/// The head's layer outputs at rows fed `fed` with next-token embeddings `emb`, packed from sequences of `lens`,
+/// and their keys and values. With no `earlier` passes each row attends causally to its own sequence (the pass on
+/// true inputs); as unrolled step j = `earlier.len()` it attends as the j-th draft of a chain does
+/// (`attention_unrolled`).
+fn forward(d: &Config, w: &Weights, emb: &Tensor, fed: &Tensor, lens: &[usize], earlier: &[Keys]) -> Result<(Tensor, Keys)> {
+    let [q, k, v, o, norm, gate, up, down] = w.layer;
+    let (h, attn_in) = w.layer_input(emb, fed, d.rms_eps as f64)?;
+    let (qs, ks, vs) = (attn_in.matmul(&q.t()?)?, attn_in.matmul(&k.t()?)?, attn_in.matmul(&v.t()?)?);
     let rope = Rope::halves(d.rope_theta as f64, d.head_dim);
     let mut outs = Vec::with_capacity(lens.len());
     let mut keys = Vec::with_capacity(lens.len());
     let mut start = 0;
     for (s, &n) in lens.iter().enumerate() {
         let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
-        let tables = rope.at(0, n, pairs.device())?;
+        let tables = rope.at(0, n, emb.device())?;
         let (qh, kh, vh) = (ops::rope(&tables, &heads(&qs, d.heads)?)?, ops::rope(&tables, &heads(&ks, d.kv_heads)?)?, heads(&vs, d.kv_heads)?);
         outs.push(if earlier.is_empty() {
             attention(&qh, &kh, &vh, 0)?
@@ -408,28 +604,30 @@ fn forward(d: &Config, w: &[Tensor], pairs: &Tensor, lens: &[usize], earlier: &[
     Ok(((h + act.matmul(&down.t()?)?)?, keys))
 }
 
-/// Unrolled step j = `earlier.len()` after the pass on true features `feats`: each position after the first of its
-/// sequence is fed what step j − 1 predicted one position earlier (not detached: the chain is trained through, as in
-/// EAGLE-3), the first keeps its true feature. Returns the step's outputs and keys.
-fn unrolled_step(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, previous: &Tensor, earlier: &[Keys], lens: &[usize]) -> Result<(Tensor, Keys)> {
-    let rows = feats.dims2()?.0;
+/// Unrolled step j = `earlier.len()` after the pass fed `first`: each position after the first of its sequence is
+/// fed what step j − 1 computed one position earlier (not detached: the chain is trained through, as in EAGLE-3),
+/// the first keeps its true input. Returns the step's outputs and keys.
+fn unrolled_step(d: &Config, w: &Weights, emb: &Tensor, first: &Tensor, previous: &Tensor, earlier: &[Keys], lens: &[usize]) -> Result<(Tensor, Keys)> {
+    let rows = first.dims2()?.0;
     let mut index = Vec::with_capacity(rows);
     for &n in lens {
         let start = index.len() as u32;
         index.push(start);
         index.extend((start + 1..start + n as u32).map(|r| rows as u32 + r - 1));
     }
-    let pool = Tensor::cat(&[feats, previous], 0)?;
-    let fed = pool.index_select(&Tensor::from_vec(index, rows, feats.device())?, 0)?;
-    forward(d, w, &Tensor::cat(&[emb, &fed], 1)?, lens, earlier)
+    let pool = Tensor::cat(&[first, previous], 0)?;
+    let fed = pool.index_select(&Tensor::from_vec(index, rows, first.device())?, 0)?;
+    forward(d, w, emb, &fed, lens, earlier)
 }
 
-/// The layer outputs of the pass on true features and of `steps` unrolled steps after it, in order.
-fn passes(d: &Config, w: &[Tensor], emb: &Tensor, feats: &Tensor, lens: &[usize], steps: usize) -> Result<Vec<Tensor>> {
-    let (first, keys) = forward(d, w, &Tensor::cat(&[emb, feats], 1)?, lens, &[])?;
-    let (mut outs, mut earlier) = (vec![first], vec![keys]);
+/// The layer outputs of the pass on true inputs (features for EAGLE-1, residual streams for EAGLE-3) and of
+/// `steps` unrolled steps after it, in order.
+fn passes(d: &Config, w: &Weights, emb: &Tensor, inputs: &Tensor, lens: &[usize], steps: usize) -> Result<Vec<Tensor>> {
+    let first = w.first_fed(inputs)?;
+    let (out, keys) = forward(d, w, emb, &first, lens, &[])?;
+    let (mut outs, mut earlier) = (vec![out], vec![keys]);
     for _ in 0..steps {
-        let (next, keys) = unrolled_step(d, w, emb, feats, outs.last().expect("the first pass"), &earlier, lens)?;
+        let (next, keys) = unrolled_step(d, w, emb, &first, outs.last().expect("the first pass"), &earlier, lens)?;
         outs.push(next);
         earlier.push(keys);
     }
@@ -481,6 +679,11 @@ pub struct TrainSettings {
     /// Weight of unrolled step j: `unroll_decay^j` (EAGLE-3's 0.8).
     #[serde(default = "eagle3_unroll_decay", skip_serializing_if = "is_eagle3_unroll_decay")]
     pub unroll_decay: f64,
+    #[serde(default, skip_serializing_if = "Arch::is_eagle1")]
+    pub arch: Arch,
+    /// EAGLE-3's draft vocabulary: this many of the ids most frequent in the target's answers (0 for EAGLE-1).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub draft_vocab: usize,
 }
 
 pub const EAGLE_CLASSIFICATION_WEIGHT: f64 = 0.1;
@@ -518,8 +721,9 @@ fn is_eagle3_unroll_decay(w: &f64) -> bool {
 struct Batch {
     /// Embeddings of t_{i+1}, `[rows, H]`.
     emb: Tensor,
-    /// Noisy true features f_i, `[rows, H]`.
-    feats: Tensor,
+    /// What the head reads of the target at position i: the noisy true features f_i `[rows, H]` (EAGLE-1), or the
+    /// residual streams entering its three layers `[rows, 3H]` (EAGLE-3, which trains on them as they are).
+    inputs: Tensor,
     lens: Vec<usize>,
     counted: Tensor,
     /// Each counted row's position in its sequence: unrolled step j counts the rows at j or later.
@@ -527,14 +731,18 @@ struct Batch {
     teacher: Tensor,
 }
 
-fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut ChaCha20Rng) -> Result<Batch> {
-    let (mut feats, mut next_tokens, mut lens, mut counted, mut positions, mut teacher) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, arch: Arch, noise: &mut ChaCha20Rng) -> Result<Batch> {
+    let (mut inputs, mut next_tokens, mut lens, mut counted, mut positions, mut teacher) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut row = 0u32;
     for c in convs {
         // Pairs (f_i, t_{i+1}) for i < n − 1; row i predicts f_{i+1}, known for i < n − 2, and counts when the token
         // it drafts, t_{i+2}, belongs to the answer.
         let pairs = c.tokens.len() - 1;
-        feats.extend(c.features.iter().map(|&x| x + noise.random_range(-0.1f32..0.1)));
+        match arch {
+            Arch::Eagle1 => inputs.extend(c.features.iter().map(|&x| x + noise.random_range(-0.1f32..0.1))),
+            Arch::Eagle3 if c.layers.is_empty() => bail!("EAGLE-3 training needs the target's residual streams, and a conversation holds none"),
+            Arch::Eagle3 => inputs.extend_from_slice(&c.layers),
+        }
         next_tokens.extend_from_slice(&c.tokens[1..]);
         for i in 0..pairs.saturating_sub(1) {
             if i + 2 >= c.prompt_len {
@@ -549,11 +757,12 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, noise: &mut Ch
     let dev = Device::Cpu;
     let rows = next_tokens.len();
     let emb = frozen.embedding.index_select(&Tensor::from_vec(next_tokens, rows, &dev)?, 0)?;
-    let feats = Tensor::from_vec(feats, (rows, hidden), &dev)?;
+    let width = inputs.len() / rows;
+    let inputs = Tensor::from_vec(inputs, (rows, width), &dev)?;
     let m = counted.len();
     Ok(Batch {
         emb,
-        feats,
+        inputs,
         lens,
         counted: Tensor::from_vec(counted, m, &dev)?,
         positions,
@@ -602,13 +811,18 @@ fn forward_kl(p: &Tensor, log_p: &Tensor, log_q: &Tensor) -> Result<Tensor> {
 
 /// `feature_weight` × smooth-L1 against the teacher features + `classification_weight` × cross-entropy against
 /// the teacher distribution, at the counted rows of the layer outputs `out`; also the loss parts and top-1
-/// agreement. Cross-entropy and forward KL differ by the teacher's entropy, a constant: the same gradient.
-fn objective(out: &Tensor, t: &Targets, head: &Tensor, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
+/// agreement. Cross-entropy and forward KL differ by the teacher's entropy, a constant: the same gradient. An
+/// EAGLE-3 head's outputs are not the target's features, so it has no regression term (logged as 0).
+fn objective(out: &Tensor, t: &Targets, w: &Weights, frozen: &Frozen, eps: f64, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
     let out = out.index_select(&t.rows, 0)?;
-    let diff = (&out - &t.features)?.abs()?;
-    let small = diff.clamp(0f32, 1f32)?;
-    let regression = ((small.sqr()? * 0.5)? + (diff - small)?)?.mean_all()?;
-    let logits = out.matmul(&head.t()?)?;
+    let regression = if w.eagle3.is_some() {
+        Tensor::zeros((), DType::F32, out.device())?
+    } else {
+        let diff = (&out - &t.features)?.abs()?;
+        let small = diff.clamp(0f32, 1f32)?;
+        ((small.sqr()? * 0.5)? + (diff - small)?)?.mean_all()?
+    };
+    let logits = w.logits(&out, &frozen.head, eps)?;
     let log_q = log_softmax(&logits)?;
     let classification = (t.p.mul(&log_q)?.sum(1)?.neg()?).mean_all()?;
     let kl = forward_kl(&t.p, &t.log_p, &log_q)?;
@@ -622,11 +836,12 @@ fn objective(out: &Tensor, t: &Targets, head: &Tensor, s: &TrainSettings) -> Res
 /// The loss of one batch: the pass on true features, then the training-time test's unrolled steps, step j weighted
 /// `unroll_decay^j` and scored on the rows that have a chain j drafts long.
 fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
+    let (w, eps) = (Weights::of(w), d.rms_eps as f64);
     let t = Targets::new(b.counted.clone(), b.teacher.clone(), &frozen.head)?;
-    let outs = passes(d, w, &b.emb, &b.feats, &b.lens, s.unroll)?;
-    let (mut total, mut log) = objective(&outs[0], &t, &frozen.head, s)?;
+    let outs = passes(d, &w, &b.emb, &b.inputs, &b.lens, s.unroll)?;
+    let (mut total, mut log) = objective(&outs[0], &t, &w, frozen, eps, s)?;
     for (j, out) in outs.iter().enumerate().skip(1) {
-        let (part, step_log) = objective(out, &t.from_position(&b.positions, j)?, &frozen.head, s)?;
+        let (part, step_log) = objective(out, &t.from_position(&b.positions, j)?, &w, frozen, eps, s)?;
         total = (total + (part * s.unroll_decay.powi(j as i32))?)?;
         log.unrolled_top1.push(step_log.top1);
     }
@@ -634,24 +849,25 @@ fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, s: &TrainSettings)
     Ok((total, log))
 }
 
-/// Weights and AdamW moments.
+/// Weights (in `Arch::keys` order) and AdamW moments.
 pub struct State {
     pub step: usize,
+    pub arch: Arch,
     pub vars: Vec<Var>,
     m: Vec<Tensor>,
     v: Vec<Tensor>,
 }
 
 impl State {
-    fn fresh(init: Vec<Tensor>) -> Result<State> {
+    fn fresh(arch: Arch, init: Vec<Tensor>) -> Result<State> {
         let m = init.iter().map(|t| t.zeros_like()).collect::<candle_core::Result<Vec<_>>>()?;
         let vars = init.iter().map(Var::from_tensor).collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(State { step: 0, vars, v: m.clone(), m })
+        Ok(State { step: 0, arch, vars, v: m.clone(), m })
     }
 
     fn tensors(&self) -> HashMap<String, Tensor> {
         let mut out = HashMap::new();
-        for (i, key) in KEYS.iter().enumerate() {
+        for (i, key) in self.arch.keys().iter().enumerate() {
             out.insert(key.to_string(), self.vars[i].as_tensor().clone());
             out.insert(format!("adam_m.{key}"), self.m[i].clone());
             out.insert(format!("adam_v.{key}"), self.v[i].clone());
@@ -670,8 +886,9 @@ impl State {
         let t = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         let get = |k: String| t.get(&k).cloned().ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()));
         let step = get("step".into())?.to_vec1::<i64>()?[0] as usize;
-        let mut s = State { step, vars: Vec::new(), m: Vec::new(), v: Vec::new() };
-        for key in KEYS {
+        let arch = Arch::of(&t);
+        let mut s = State { step, arch, vars: Vec::new(), m: Vec::new(), v: Vec::new() };
+        for key in arch.keys() {
             s.vars.push(Var::from_tensor(&get(key.to_string())?)?);
             s.m.push(get(format!("adam_m.{key}"))?);
             s.v.push(get(format!("adam_v.{key}"))?);
@@ -683,11 +900,13 @@ impl State {
     pub fn from_head(dir: &Path) -> Result<State> {
         let path = dir.join("model.safetensors");
         let t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-        let init = KEYS
+        let arch = Arch::of(&t);
+        let init = arch
+            .keys()
             .iter()
             .map(|k| t.get(*k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()))?.to_dtype(DType::F32).map_err(Into::into))
             .collect::<Result<Vec<_>>>()?;
-        State::fresh(init)
+        State::fresh(arch, init)
     }
 
     /// Weights equal, bit for bit (moments included).
@@ -699,10 +918,10 @@ impl State {
                 return Ok(false);
             }
         }
-        Ok(self.step == other.step)
+        Ok(self.step == other.step && self.arch == other.arch)
     }
 
-    /// One AdamW update (β = 0.9, 0.95; no decay on the norm weight) after clipping the gradient norm at 0.5.
+    /// One AdamW update (β = 0.9, 0.95; no decay on norm weights) after clipping the gradient norm at 0.5.
     fn update(&mut self, grads: &candle_core::backprop::GradStore, lr: f64, weight_decay: f64) -> Result<()> {
         let (b1, b2, eps) = (0.9f64, 0.95f64, 1e-8);
         let gs: Vec<Tensor> = self.vars.iter().map(|v| grads.get(v).cloned().unwrap_or_else(|| v.zeros_like().expect("zeros"))).collect();
@@ -717,7 +936,7 @@ impl State {
             let m_hat = (&self.m[i] / (1.0 - b1.powi(t)))?;
             let v_hat = (&self.v[i] / (1.0 - b2.powi(t)))?;
             let w = self.vars[i].as_tensor();
-            let decay = if KEYS[i].ends_with("layernorm.weight") { 0.0 } else { weight_decay };
+            let decay = if self.arch.keys()[i].ends_with("norm.weight") { 0.0 } else { weight_decay };
             let next = (w - ((m_hat / (v_hat.sqrt()? + eps)?)? + (w * decay)?)? * lr)?;
             self.vars[i].set(&next)?;
         }
@@ -761,6 +980,7 @@ fn step_conversations(n: usize, batch: usize, seed: u64, step: usize) -> Vec<usi
 pub struct Trainer<'a> {
     pub target: &'a Target,
     pub data: &'a [Conversation],
+    /// The ids the head may propose: a keep set (EAGLE-1), or EAGLE-3's draft vocabulary; all when absent.
     pub keep: Option<&'a KeepSet>,
     pub settings: TrainSettings,
 }
@@ -778,7 +998,8 @@ impl Trainer<'_> {
 
     /// A fresh state (step 0).
     pub fn start(&self) -> Result<State> {
-        State::fresh(initial(&self.target.model.config, self.settings.seed)?)
+        let (m, arch) = (&self.target.model, self.settings.arch);
+        State::fresh(arch, initial(&m.config, arch, self.settings.seed, m.norm(), &self.frozen()?.head)?)
     }
 
     /// Train from `state` until `until` steps (at most the settings' steps); `on_step` sees every step's log and
@@ -792,7 +1013,7 @@ impl Trainer<'_> {
             let picked: Vec<&Conversation> = step_conversations(self.data.len(), s.batch, s.seed, step).into_iter().map(|i| &self.data[i]).collect();
             let mut noise = ChaCha20Rng::seed_from_u64(s.seed ^ 0x9e37_79b9_7f4a_7c15);
             noise.set_stream(step as u64);
-            let b = batch(&picked, &frozen, d.hidden, &mut noise)?;
+            let b = batch(&picked, &frozen, d.hidden, s.arch, &mut noise)?;
             let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
             let (total, mut log) = loss(d, &w, &frozen, &b, s)?;
             let grads = total.backward()?;
@@ -810,51 +1031,70 @@ impl Trainer<'_> {
         let d = &self.target.model.config;
         let frozen = self.frozen()?;
         let mut noise = ChaCha20Rng::seed_from_u64(0);
-        let b = batch(convs, &frozen, d.hidden, &mut noise)?;
+        let b = batch(convs, &frozen, d.hidden, self.settings.arch, &mut noise)?;
         let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
         Ok(loss(d, &w, &frozen, &b, &self.settings)?.1)
     }
 }
 
-/// Write the head in the EAGLE repository's layout: config.json and model.safetensors (f16, yuhuili's keys).
-pub fn export(dir: &Path, state: &State, target: &Model) -> Result<()> {
+/// Write the head in the EAGLE repository's layout: config.json and model.safetensors (f16, yuhuili's keys). An
+/// EAGLE-3 head also gets its draft vocabulary (`keep`) as `d2t` (draft id d is target id d + d2t[d]) and `t2d`
+/// (which target ids are drafted), and names its target layers in config.json, as vLLM and the engine read them.
+pub fn export(dir: &Path, state: &State, target: &Model, keep: Option<&KeepSet>) -> Result<()> {
     let c = &target.config;
     let mut tensors = HashMap::new();
-    for (i, key) in KEYS.iter().enumerate() {
+    for (i, key) in state.arch.keys().iter().enumerate() {
         tensors.insert(key.to_string(), state.vars[i].as_tensor().to_dtype(DType::F16)?);
     }
-    save_tensors(&tensors, &dir.join("model.safetensors"))?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": false, "hidden_act": "silu",
         "hidden_size": c.hidden, "intermediate_size": c.intermediate, "num_hidden_layers": 1,
         "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
         "vocab_size": c.vocab, "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta,
         "max_position_embeddings": c.context_length, "torch_dtype": "float16",
     });
+    if state.arch == Arch::Eagle3 {
+        let ids: Vec<u32> = keep.map_or_else(|| (0..c.vocab as u32).collect(), |k| k.ids.clone());
+        let d2t: Vec<i64> = ids.iter().enumerate().map(|(d, &t)| t as i64 - d as i64).collect();
+        let mut t2d = vec![0u8; c.vocab];
+        ids.iter().for_each(|&t| t2d[t as usize] = 1);
+        tensors.insert("d2t".into(), Tensor::from_vec(d2t, ids.len(), &Device::Cpu)?);
+        tensors.insert("t2d".into(), Tensor::from_vec(t2d, c.vocab, &Device::Cpu)?);
+        config["architectures"] = serde_json::json!(["LlamaForCausalLMEagle3"]);
+        config["draft_vocab_size"] = serde_json::json!(ids.len());
+        config["tie_word_embeddings"] = serde_json::json!(false);
+        config["eagle_config"] = serde_json::json!({ "eagle_aux_hidden_state_layer_ids": state.arch.capture(c) });
+    }
+    save_tensors(&tensors, &dir.join("model.safetensors"))?;
     write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&config)?.as_bytes())
 }
 
-/// The head's logits (full vocabulary) at every draft position of `conv`, teacher-forced: `[tokens - 1, vocab]`.
+/// The head's logits at every draft position of `conv`, teacher-forced: `[tokens - 1, vocab]` over the target's
+/// vocabulary (EAGLE-1) or the head's draft vocabulary (EAGLE-3).
 pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
-    let (emb, feats, w) = teacher_forced_inputs(target, state, conv)?;
-    let (out, _) = forward(&target.config, &w, &Tensor::cat(&[&emb, &feats], 1)?, &[conv.tokens.len() - 1], &[])?;
-    Ok(out.matmul(&dequantized(target.lm_head())?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+    let (emb, inputs, w) = teacher_forced_inputs(target, state, conv)?;
+    let (w, eps) = (Weights::of(&w), target.config.rms_eps as f64);
+    let (out, _) = forward(&target.config, &w, &emb, &w.first_fed(&inputs)?, &[conv.tokens.len() - 1], &[])?;
+    Ok(w.logits(&out, &dequantized(target.lm_head())?, eps)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// The layer outputs of the training-time test's unrolled steps 1..=`steps` along `conv` (no noise), `[tokens − 1,
-/// hidden]` each: row i of step j is what the (j + 1)-th draft of a step computes after catching up on the true
-/// features through position i − j.
+/// What the head's LM head reads at the training-time test's unrolled steps 1..=`steps` along `conv` (no noise),
+/// `[tokens − 1, hidden]` each: row i of step j is what the (j + 1)-th draft of a step computes after catching up on
+/// the true inputs through position i − j.
 pub fn unrolled_outputs(target: &Model, state: &State, conv: &Conversation, steps: usize) -> Result<Vec<Vec<f32>>> {
-    let (emb, feats, w) = teacher_forced_inputs(target, state, conv)?;
-    let outs = passes(&target.config, &w, &emb, &feats, &[conv.tokens.len() - 1], steps)?;
-    outs[1..].iter().map(|o| Ok(o.flatten_all()?.to_vec1::<f32>()?)).collect()
+    let (emb, inputs, w) = teacher_forced_inputs(target, state, conv)?;
+    let w = Weights::of(&w);
+    let outs = passes(&target.config, &w, &emb, &inputs, &[conv.tokens.len() - 1], steps)?;
+    outs[1..].iter().map(|o| Ok(w.head_input(o, target.config.rms_eps as f64)?.flatten_all()?.to_vec1::<f32>()?)).collect()
 }
 
-/// The embeddings of t_{i+1} and the features f_i along `conv`, and the state's weights.
+/// The embeddings of t_{i+1} and what the head reads at i (features f_i, or EAGLE-3's residual streams) along
+/// `conv`, and the state's weights.
 fn teacher_forced_inputs(target: &Model, state: &State, conv: &Conversation) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
     let n = conv.tokens.len() - 1;
     let embedding = dequantized(target.embedding())?;
     let emb = embedding.index_select(&Tensor::from_vec(conv.tokens[1..].to_vec(), n, &Device::Cpu)?, 0)?;
-    let feats = Tensor::from_vec(conv.features.clone(), (n, target.config.hidden), &Device::Cpu)?;
-    Ok((emb, feats, state.vars.iter().map(|v| v.as_tensor().clone()).collect()))
+    let read = if state.arch == Arch::Eagle3 { &conv.layers } else { &conv.features };
+    let inputs = Tensor::from_vec(read.clone(), (n, read.len() / n), &Device::Cpu)?;
+    Ok((emb, inputs, state.vars.iter().map(|v| v.as_tensor().clone()).collect()))
 }

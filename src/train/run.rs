@@ -1,10 +1,10 @@
 //! `frspec train-eagle`: a training folder from nothing to an exported head, resumable. The folder holds run.json
 //! (what the run is), teacher.safetensors (the cached teacher data), checkpoint.safetensors, training_log.jsonl and,
-//! at the end, the head itself (config.json + model.safetensors), which the engine's EAGLE-1 loader reads.
+//! at the end, the head itself (config.json + model.safetensors), which the engine's EAGLE-1 or EAGLE-3 loader reads.
 
 use super::{
-    checkpoint_due, continuations, export, load_teacher, prompts, save_teacher, self_prompts, sharegpt_prompts, teacher_data, teacher_forced, Conversation,
-    State, StepLog, TrainSettings, Trainer, SHAREGPT_MAX_PROMPT_TOKENS,
+    checkpoint_due, continuations, draft_vocabulary, export, forced, load_teacher, prompts, save_teacher, self_prompts, sharegpt_prompts, teacher_data, teacher_forced,
+    Arch, Conversation, State, StepLog, TrainSettings, Trainer, SHAREGPT_MAX_PROMPT_TOKENS,
 };
 use crate::loading::target::Target;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
@@ -60,6 +60,8 @@ const CONTINUATIONS_FILE: &str = "continuations.safetensors";
 const REQUESTS_FILE: &str = "self-prompts.json";
 const SELF_PROMPTED_FILE: &str = "self-prompts.safetensors";
 const SHAREGPT_FILE: &str = "sharegpt.safetensors";
+/// Where a part's identity names the target layers it captured; absent when none (EAGLE-1).
+const LAYERS_KEY: &str = "layers";
 
 /// The ShareGPT requests this run answers, and the file they come from.
 fn sharegpt_requests(o: &TrainOptions, target: &Target) -> Result<(Vec<String>, PathBuf)> {
@@ -113,10 +115,29 @@ fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result
     Ok(requests)
 }
 
-/// Conversations from their cache file, or made by `make` (with progress) and cached.
-fn cached(path: &Path, count: usize, label: &str, quiet: bool, hidden: usize, make: &mut Producer) -> Result<Vec<Conversation>> {
+/// Conversations from their cache file, or made by `make` (with progress) and cached. A cached part made without
+/// the `capture` layers (an EAGLE-1 run's, taken over) gets them from one forward of each conversation through
+/// the target, which gives what generating would have recorded, and is saved with them.
+fn cached(path: &Path, count: usize, label: &str, quiet: bool, target: &Target, capture: &[usize], make: &mut Producer) -> Result<Vec<Conversation>> {
+    let hidden = target.model.config.hidden;
     if path.exists() {
-        return load_teacher(path, hidden);
+        let data = load_teacher(path, hidden)?;
+        if capture.is_empty() || data.iter().all(|c| !c.layers.is_empty()) {
+            return Ok(data);
+        }
+        let b = bar(quiet, data.len(), &format!("{label}: the target's layers {{bar:30}} {{pos}}/{{len}} conversations, ETA {{eta}}"))?;
+        let started = Instant::now();
+        let mut filled = Vec::with_capacity(data.len());
+        for c in data {
+            filled.push(forced(&target.model, c.tokens, c.prompt_len, capture)?);
+            b.inc(1);
+            if plain(quiet) && filled.len() % 200 == 0 {
+                eprintln!("{label}: the target's layers for {}/{count} conversations, {:.0} s", filled.len(), started.elapsed().as_secs_f64());
+            }
+        }
+        b.finish();
+        save_teacher(path, &filled, hidden)?;
+        return Ok(filled);
     }
     let b = bar(quiet, count, &format!("{label} {{bar:30}} {{pos}}/{{len}} conversations, {{msg}} tokens, ETA {{eta}}"))?;
     let mut tokens = 0;
@@ -138,7 +159,8 @@ fn cached(path: &Path, count: usize, label: &str, quiet: bool, hidden: usize, ma
 /// Whether this run can take over a part of another run's teacher data, and then whether only its first `n`
 /// conversations: the part made the same way, in as many or more. Every part is prefix-stable (prompts and passages
 /// are drawn in a seeded order, each conversation is answered or read as it would be alone, requests the target
-/// writes come from one stream per attempt), so the first `n` of more are the `n` made alone.
+/// writes come from one stream per attempt), so the first `n` of more are the `n` made alone. A part made without
+/// the target layers this run needs is taken too: `cached` adds them.
 fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str) -> Option<Option<usize>> {
     let count = |v: &serde_json::Value| v.get(count_key).and_then(|c| c.as_u64());
     let (n, available) = (count(ours)?, count(theirs)?);
@@ -147,6 +169,9 @@ fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str) 
     }
     let mut same_count = theirs.clone();
     same_count[count_key] = ours[count_key].clone();
+    if let (Some(layers), None) = (ours.get(LAYERS_KEY), theirs.get(LAYERS_KEY)) {
+        same_count[LAYERS_KEY] = layers.clone();
+    }
     (same_count == *ours && available >= n).then_some((available > n).then_some(n as usize))
 }
 
@@ -193,6 +218,17 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             bail!("{flag} must be a finite number ≥ 0, not {w}");
         }
     }
+    if s.arch == Arch::Eagle3 {
+        if o.freq.is_some() || o.keep.is_some() {
+            bail!("--arch eagle3 drafts over its own draft vocabulary (--draft-vocab), not a keep set: drop --freq and --ratio/--keep");
+        }
+        if s.feature_weight != 0.0 {
+            bail!("--arch eagle3 has no feature regression (its outputs are not the target's features): --feature-weight must be 0");
+        }
+        if s.steps == 0 {
+            bail!("--arch eagle3 --steps 0: the draft vocabulary comes from the teacher data, so an untrained head needs at least one step");
+        }
+    }
     let files = crate::vocab::corpus_files(&o.corpus)?;
     let mut lines = Vec::new();
     for f in &files {
@@ -215,6 +251,15 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         _ => bail!("training against a pruned vocabulary needs both --freq and --ratio/--keep"),
     };
     let sharegpt = if o.sharegpt > 0 { Some(sharegpt_requests(o, &target)?) } else { None };
+    let vocab = target.model.config.vocab;
+    let s = &TrainSettings { draft_vocab: if s.arch == Arch::Eagle3 && s.draft_vocab == 0 { vocab / 4 } else { s.draft_vocab }, ..s.clone() };
+    if s.draft_vocab > vocab {
+        bail!("--draft-vocab {} is larger than the target's vocabulary of {vocab}", s.draft_vocab);
+    }
+    let capture = s.arch.capture(&target.model.config);
+    if s.arch == Arch::Eagle3 && target.model.config.layers < 4 {
+        bail!("--arch eagle3 reads three residual streams of the target, which has {} layers (at least 4 needed)", target.model.config.layers);
+    }
 
     // What the teacher data depends on; the rest of the identity is how the head is trained.
     let mut data_identity = serde_json::json!({
@@ -229,6 +274,9 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     // The templates themselves, not their file's path; absent for the built-in set, so older folders resume.
     if o.templates.is_some() {
         data_identity["templates"] = serde_json::json!(templates);
+    }
+    if !capture.is_empty() {
+        data_identity[LAYERS_KEY] = serde_json::json!(capture);
     }
     let continuation_identity = serde_json::json!({
         "target_sha256": data_identity["target_sha256"],
@@ -264,6 +312,13 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             "max_prompt_tokens": SHAREGPT_MAX_PROMPT_TOKENS,
             "max_new_tokens": o.max_new_tokens,
         });
+    }
+    if !capture.is_empty() {
+        for part in ["continuations", "self_prompts", "sharegpt"] {
+            if let Some(p) = identity.get_mut(part) {
+                p[LAYERS_KEY] = serde_json::json!(capture);
+            }
+        }
     }
     // Which parts of another run's teacher data to take over: each one made the same way, so a run with more
     // generated conversations can still take the other's continuations, and one with fewer the first of them.
@@ -305,11 +360,13 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
 
     if s.steps == 0 {
         let trainer = Trainer { target: &target, data: &[], keep: keep.as_ref(), settings: s.clone() };
-        export(&o.out, &trainer.start()?, &target.model)?;
+        export(&o.out, &trainer.start()?, &target.model, keep.as_ref())?;
         eprintln!("untrained (initial) head written to {}", o.out.display());
         return Ok(None);
     }
     let hidden = target.model.config.hidden;
+    let target_ref = &target;
+    let cache_part = |path: &Path, count: usize, label: &str, make: &mut Producer| cached(path, count, label, o.quiet, target_ref, &capture, make);
     for (from, to, take) in &reuse {
         if !to.exists() && from.exists() {
             take_over(from, to, *take, hidden)?;
@@ -317,27 +374,31 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     }
     let mut data = Vec::new();
     if !prompts.is_empty() {
-        data.extend(cached(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", o.quiet, hidden, &mut |on_done| {
-            teacher_data(&target, &prompts, o.max_new_tokens, on_done)
+        data.extend(cache_part(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", &mut |on_done| {
+            teacher_data(&target, &prompts, o.max_new_tokens, &capture, on_done)
         })?);
     }
     if !continuations.is_empty() {
-        data.extend(cached(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", o.quiet, hidden, &mut |on_done| {
-            teacher_forced(&target, &continuations, o.max_new_tokens, on_done)
+        data.extend(cache_part(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", &mut |on_done| {
+            teacher_forced(&target, &continuations, o.max_new_tokens, &capture, on_done)
         })?);
     }
 
     if o.self_prompts > 0 {
         let requests = cached_self_prompts(&o.out.join(REQUESTS_FILE), &target, o)?;
-        data.extend(cached(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", o.quiet, hidden, &mut |on_done| {
-            teacher_data(&target, &requests, o.max_new_tokens, on_done)
+        data.extend(cache_part(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", &mut |on_done| {
+            teacher_data(&target, &requests, o.max_new_tokens, &capture, on_done)
         })?);
     }
     if let Some((requests, _)) = &sharegpt {
-        data.extend(cached(&o.out.join(SHAREGPT_FILE), requests.len(), "ShareGPT answers", o.quiet, hidden, &mut |on_done| {
-            teacher_data(&target, requests, o.max_new_tokens, on_done)
+        data.extend(cache_part(&o.out.join(SHAREGPT_FILE), requests.len(), "ShareGPT answers", &mut |on_done| {
+            teacher_data(&target, requests, o.max_new_tokens, &capture, on_done)
         })?);
     }
+    let keep = match s.arch {
+        Arch::Eagle1 => keep,
+        Arch::Eagle3 => Some(draft_vocabulary(&data, s.draft_vocab, vocab)?),
+    };
 
     let trainer = Trainer { target: &target, data: &data, keep: keep.as_ref(), settings: s.clone() };
     let checkpoint_path = o.out.join("checkpoint.safetensors");
@@ -373,9 +434,9 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     })?;
     b.finish();
     drop(log);
-    export(&o.out, &state, &target.model)?;
+    export(&o.out, &state, &target.model, keep.as_ref())?;
     let log: Vec<StepLog> = std::fs::read_to_string(&log_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-    let title = format!("EAGLE-1 head for {} · {} conversations · {} steps × {} conversations", o.target, data.len(), s.steps, s.batch);
+    let title = format!("{} head for {} · {} conversations · {} steps × {} conversations", s.arch.name(), o.target, data.len(), s.steps, s.batch);
     eprintln!("head written to {} ({} steps, {:.0} s this run)", o.out.display(), state.step, started.elapsed().as_secs_f64());
     Ok(Some(Trained { log, title, settings: s.clone() }))
 }

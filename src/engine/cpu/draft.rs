@@ -284,6 +284,12 @@ fn checkpoint(dir: &Path) -> Result<PathBuf> {
         .ok_or_else(|| anyhow!("{}: no model.safetensors or pytorch_model.bin", dir.display()))
 }
 
+/// The target layers whose incoming residual streams an EAGLE-3 head reads when its config names none: low,
+/// middle and high (EAGLE-3's and vLLM's choice).
+pub fn eagle3_default_layers(layers: usize) -> Vec<usize> {
+    vec![2, layers / 2, layers.saturating_sub(3)]
+}
+
 /// EAGLE-3 (SafeAILab `cnets.py`, vLLM `llama_eagle3.py`): g = fc(cat of the target's residual streams entering
 /// three layers); one `midlayer` attending over cat(input_layernorm(embed(t)), hidden_norm(g)) with g as the
 /// residual; its own final `norm` and `lm_head` over a draft vocabulary whose row d is target id d + d2t[d].
@@ -326,7 +332,7 @@ impl<'a> Eagle3Draft<'a> {
         let draft_vocab = raw["draft_vocab_size"].as_u64().map_or(config.vocab, |v| v as usize);
         let aux_layers: Vec<usize> = match raw.pointer("/eagle_config/eagle_aux_hidden_state_layer_ids").and_then(|v| v.as_array()) {
             Some(ids) => ids.iter().filter_map(|v| v.as_u64()).map(|v| v as usize).collect(),
-            None => vec![2, t.layers / 2, t.layers.saturating_sub(3)],
+            None => eagle3_default_layers(t.layers),
         };
         if aux_layers.len() != 3 || aux_layers.iter().any(|&l| l >= t.layers) || t.layers < 4 {
             bail!("{}: auxiliary layers {aux_layers:?} do not fit a target of {} layers", config_path.display(), t.layers);
