@@ -2,7 +2,8 @@
 # Acceptance of the shipped SmolLM2 EAGLE-1 head on all 80 MT-Bench first turns (k = 4, T = 0, 128 new tokens),
 # beside an untrained head of the same shape and the truncated-target stand-in, and at ratios 0.5 / 0.75 / 0.9 with
 # the Brown frequency file. Writes results/train/eval/<draft>/ (runs, summary, manifest, report.md); another head
-# given as NAME=FOLDER is evaluated like the shipped one into results/train/eval/NAME/, and `frspec compare
+# given as NAME=FOLDER (EAGLE-1 or EAGLE-3, read from its config.json) is evaluated like the shipped one into
+# results/train/eval/NAME/ (an EAGLE-3 head's keep sets are the Brown ones within its draft vocabulary), and `frspec compare
 # results/train/eval/trained results/train/eval/NAME` pairs the two.
 # Usage: scripts/eval-smollm2-head.sh [path to a frspec binary] [trained|untrained|truncated16|NAME=FOLDER ...]
 #        (default: the first three)
@@ -33,6 +34,8 @@ run truncated16 --draft-kind truncated:16 --ratios 0
 for arg in $wanted; do
   if [[ $arg == *=* ]]; then
     wanted+=" ${arg%%=*} "
-    run "${arg%%=*}" --draft "${arg#*=}" --draft-kind eagle --ratios 0,0.5,0.75,0.9
+    kind=eagle
+    grep -q LlamaForCausalLMEagle3 "${arg#*=}/config.json" && kind=eagle3
+    run "${arg%%=*}" --draft "${arg#*=}" --draft-kind "$kind" --ratios 0,0.5,0.75,0.9
   fi
 done

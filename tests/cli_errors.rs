@@ -378,13 +378,19 @@ fn bad_training_input() {
     assert!(err.contains("holds another training run (differs in: data, settings)"), "{err}");
 }
 
-#[test]
-fn teacher_data_is_reused_part_by_part() {
-    let dir = tempfile::tempdir().unwrap();
-    let corpus = dir.path().join("corpus.txt");
+/// A corpus of twelve lines of eight words, in `dir`: four passages.
+fn twelve_line_corpus(dir: &Path) -> std::path::PathBuf {
+    let corpus = dir.join("corpus.txt");
     let words = ["the", "river", "town", "council", "voted", "to", "build", "a", "new", "bridge"];
     let lines: Vec<String> = (0..12).map(|i| (0..8).map(|j| words[(i * 3 + j * 7) % words.len()]).collect::<Vec<_>>().join(" ")).collect();
     std::fs::write(&corpus, lines.join("\n")).unwrap();
+    corpus
+}
+
+#[test]
+fn teacher_data_is_reused_part_by_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = twelve_line_corpus(dir.path());
     let model = synthetic_dir();
     let (m, c) = (model.path().to_str().unwrap(), corpus.to_str().unwrap());
     let run_with = |out: &str, prompts: &str, continuations: &str, self_prompts: &str, extra: &[&str]| {
@@ -447,10 +453,7 @@ fn teacher_data_is_reused_part_by_part() {
 #[test]
 fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one_are_one_error() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = dir.path().join("corpus.txt");
-    let words = ["the", "river", "town", "council", "voted", "to", "build", "a", "new", "bridge"];
-    let lines: Vec<String> = (0..12).map(|i| (0..8).map(|j| words[(i * 3 + j * 7) % words.len()]).collect::<Vec<_>>().join(" ")).collect();
-    std::fs::write(&corpus, lines.join("\n")).unwrap();
+    let corpus = twelve_line_corpus(dir.path());
     // EAGLE-3 reads three residual streams: a target of 8 layers.
     let model = tempfile::tempdir().unwrap();
     synthetic::write_model(model.path(), &Shape { layers: 8, ..Shape::tiny() }, 1, candle_core::DType::F32).unwrap();
