@@ -275,9 +275,6 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     if o.templates.is_some() {
         data_identity["templates"] = serde_json::json!(templates);
     }
-    if !capture.is_empty() {
-        data_identity[LAYERS_KEY] = serde_json::json!(capture);
-    }
     let continuation_identity = serde_json::json!({
         "target_sha256": data_identity["target_sha256"],
         "corpus_sha256": data_identity["corpus_sha256"],
@@ -314,7 +311,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         });
     }
     if !capture.is_empty() {
-        for part in ["continuations", "self_prompts", "sharegpt"] {
+        for part in ["data", "continuations", "self_prompts", "sharegpt"] {
             if let Some(p) = identity.get_mut(part) {
                 p[LAYERS_KEY] = serde_json::json!(capture);
             }
