@@ -1,25 +1,45 @@
 #!/usr/bin/env bash
-# The recipe of the shipped EAGLE-1 head for SmolLM2-135M-Instruct (heads/smollm2-135m-eagle1/).
-# Data: 2,400 prompts made from the Brown corpus answered greedily by the target itself (8 at a time), 1,500 Brown
-# passages to continue answered by the corpus text that follows them (teacher-forced, read in one forward), and
-# 2,800 requests the target writes itself (Magpie: its chat template up to the user's turn, sampled at T = 1) that it
-# then answers; never MT-Bench. Six epochs over all three against the Brown keep set at ratio 0.75 (the teacher
-# distribution over the 12,289 most frequent ids, FR-Spec's own idea applied to training: a step costs a quarter of a
-# full-vocabulary one), true features only. About 10,100 s from nothing on 2 cores
-# (results/train/smollm2-135m-eagle1.md). The training folder (teacher data, checkpoints) lives in the asset cache;
-# re-running resumes it. Then the head is copied into heads/.
-# Usage: scripts/train-smollm2-head.sh [path to a frspec binary] [more train-eagle flags, e.g. --teacher-from DIR]
+# The recipes of the heads shipped for SmolLM2-135M-Instruct, from nothing; the training folder (teacher data,
+# checkpoints) lives in the asset cache and re-running resumes it. Then the head is copied into heads/ (its curve as
+# PNG only: the SVGs would take megabytes of what travels to a GPU machine).
+#
+# eagle1 (heads/smollm2-135m-eagle1/, the default preset's): 2,400 prompts made from the Brown corpus answered
+# greedily by the target itself (8 at a time), 1,500 Brown passages to continue answered by the corpus text that
+# follows them (teacher-forced, read in one forward), and 2,800 requests the target writes itself (Magpie: its chat
+# template up to the user's turn, sampled at T = 1) that it then answers; never MT-Bench. Six epochs over all three
+# against the Brown keep set at ratio 0.75 (the teacher distribution over the 12,289 most frequent ids, FR-Spec's own
+# idea applied to training: a step costs a quarter of a full-vocabulary one), true features only. About 10,100 s
+# (results/train/smollm2-135m-eagle1.md).
+#
+# eagle3 (heads/smollm2-135m-eagle3/, preset smollm2-eagle3): the first 2,400 distinct ShareGPT requests answered by
+# the target, its residual streams entering layers 2, 15 and 27 kept; a draft vocabulary of the 8,192 ids its
+# answers hold most often; the token term alone with the training-time test over 2 further steps; four epochs.
+# Packed in Q8_0 (frspec pack-head). About 3,300 s of data and 6,000 s of training
+# (results/train/smollm2-135m-eagle3.md).
+# Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags, e.g. --teacher-from DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+arch=eagle1
+if [ "${1:-}" = eagle1 ] || [ "${1:-}" = eagle3 ]; then arch=$1; shift; fi
 frspec=${1:-$(scripts/frspec-bin.sh)}
 shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
-run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
+case $arch in
+  eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
+          recipe=(--prompts 2400 --continuations 1500 --self-prompts 2800 --steps 10050 --freq brown-smollm2 --ratio 0.75) ;;
+  eagle3) [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
+          run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
+          recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --steps 2400 --unroll 2) ;;
+esac
 start=$(date +%s)
-"$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$run" \
-  --prompts 2400 --continuations 1500 --self-prompts 2800 --max-new-tokens 160 --steps 10050 --batch 4 --lr 1e-3 --warmup 40 \
-  --checkpoint-every 100 --seed 0 --freq brown-smollm2 --ratio 0.75 "$@"
+"$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$run" --max-new-tokens 160 \
+  --batch 4 --lr 1e-3 --warmup 40 --checkpoint-every 100 --seed 0 "${recipe[@]}" "$@"
 echo "recipe wall time: $(( $(date +%s) - start )) s"
-mkdir -p heads/smollm2-135m-eagle1
-cp "$run/config.json" "$run/model.safetensors" "$run/training_log.jsonl" "$run/training_curve.png" "$run/training_curve.svg" heads/smollm2-135m-eagle1/
+head=heads/smollm2-135m-$arch
+mkdir -p "$head"
+cp "$run/training_log.jsonl" "$run/training_curve.png" "$head/"
+case $arch in
+  eagle1) cp "$run/config.json" "$run/model.safetensors" "$head/" ;;
+  eagle3) "$frspec" pack-head "$run" --out "$head" ;;
+esac

@@ -317,6 +317,14 @@ pub enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// Pack a head folder (config.json + model.safetensors) as this repository ships heads in the binary: its
+    /// matrices in Q8_0, in one model.gguf beside config.json. Drafts read either folder.
+    PackHead {
+        /// The head folder, as train-eagle writes it.
+        head: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Speed measurements.
     #[command(subcommand)]
     Bench(BenchCommand),

@@ -147,6 +147,10 @@ fn run(cli: Cli) -> Result<()> {
                 frspec::outputs::plot::training_curve(&options.out.join("training_curve"), &t.log, &t.title, &t.settings)?;
             }
         }
+        Command::PackHead { head, out } => {
+            let bytes = frspec::loading::pack::pack(&head, &out)?;
+            println!("{} ({bytes} bytes)", out.join(frspec::loading::pack::PACKED).display());
+        }
         Command::Plot { dir } => {
             let result = frspec::outputs::check::SweepResult::load(&dir)?;
             let timings = result.timings()?;

@@ -143,11 +143,14 @@ fn to_object(spec: &SweepSpec) -> serde_json::Map<String, serde_json::Value> {
     }
 }
 
-pub const PRESETS: [&str; 2] = ["smollm2-eagle", "llama31-eagle"];
+pub const PRESETS: [&str; 3] = ["smollm2-eagle", "smollm2-eagle3", "llama31-eagle"];
 
 /// The EAGLE-1 head this repository ships for SmolLM2-135M-Instruct (heads/, scripts/train-smollm2-head.sh), an
 /// asset compiled into the binary.
 pub const SMOLLM2_HEAD: &str = "smollm2-eagle1";
+
+/// The EAGLE-3 head shipped beside it (scripts/train-smollm2-head.sh eagle3), packed in Q8_0.
+pub const SMOLLM2_EAGLE3_HEAD: &str = "smollm2-eagle3";
 
 pub fn preset(name: &str) -> Result<SweepSpec> {
     let ratios = Some(vec![0.0, 0.25, 0.5, 0.75, 0.9, 0.99]);
@@ -165,6 +168,9 @@ pub fn preset(name: &str) -> Result<SweepSpec> {
             ratios,
             ..SweepSpec::default()
         },
+        // The same sweep through the EAGLE-3 head: its ratios prune its own draft vocabulary further, keeping the
+        // draft ids that Brown's keep set holds.
+        "smollm2-eagle3" => SweepSpec { draft: Some(SMOLLM2_EAGLE3_HEAD.into()), draft_kind: Some("eagle3".into()), ..preset("smollm2-eagle")? },
         "llama31-eagle" => SweepSpec {
             model: Some("meta-llama/Llama-3.1-8B-Instruct".into()),
             draft: Some("yuhuili/EAGLE-LLaMA3.1-Instruct-8B".into()),
@@ -370,6 +376,15 @@ mod tests {
         assert_eq!((s.repeats, s.k, s.pruning.clone()), (5, 2, Pruning::Ratios(vec![0.0, 0.5])));
         assert_eq!((s.preset.as_deref(), s.model.as_str(), s.dataset.as_str()), (Some("smollm2-eagle"), "smollm2", "mt-bench"));
         assert_eq!((s.draft_kind, s.draft.as_deref()), (DraftKind::Eagle, Some(SMOLLM2_HEAD)));
+    }
+
+    #[test]
+    fn the_eagle3_preset_is_the_default_one_through_the_eagle3_head() {
+        let s = resolve(None, None, &SweepSpec { preset: Some("smollm2-eagle3".into()), ..SweepSpec::default() }).unwrap();
+        let default = resolve(None, None, &SweepSpec::default()).unwrap();
+        assert_eq!((s.draft_kind, s.draft.as_deref()), (DraftKind::Eagle3, Some(SMOLLM2_EAGLE3_HEAD)));
+        let same = Settings { preset: default.preset.clone(), draft_kind: default.draft_kind.clone(), draft: default.draft.clone(), ..s };
+        assert_eq!(same, default);
     }
 
     #[test]

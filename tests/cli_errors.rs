@@ -488,6 +488,34 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
     let draft = frspec::engine::cpu::draft::Eagle3Draft::load(&taken, &target.model).unwrap();
     assert_eq!(frspec::speculative::Draft::lm_head(&draft).matrix.rows, 64);
 
+    // Packed as heads ship, it loads the same; a head that cannot be packed, or a packed one that lacks a tensor, is
+    // one error naming the file and the tensor.
+    let packed = dir.path().join("packed");
+    let done = frspec().args(["pack-head", taken.to_str().unwrap(), "--out", packed.to_str().unwrap()]).output().unwrap();
+    assert!(done.status.success() && String::from_utf8_lossy(&done.stdout).contains("model.gguf"), "{}", String::from_utf8_lossy(&done.stderr));
+    let draft = frspec::engine::cpu::draft::Eagle3Draft::load(&packed, &target.model).unwrap();
+    assert_eq!(frspec::speculative::Draft::lm_head(&draft).matrix.rows, 64);
+    let pack_fails = |head: &Path, expected: &str| {
+        let out = dir.path().join("not-packed");
+        let err = fails(&["pack-head", head.to_str().unwrap(), "--out", out.to_str().unwrap()], &[]);
+        assert!(err.contains(expected) && err.lines().count() == 1, "{err}");
+        assert!(!out.exists(), "no partial output");
+    };
+    pack_fails(&eagle1.join("missing"), "missing/model.safetensors");
+    let mut tensors = candle_core::safetensors::load(taken.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let fc = tensors.remove("fc.weight").unwrap();
+    let broken = dir.path().join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::copy(taken.join("config.json"), broken.join("config.json")).unwrap();
+    let integer = [("fc.weight".to_string(), fc.to_dtype(candle_core::DType::I64).unwrap())].into_iter().collect::<std::collections::HashMap<_, _>>();
+    candle_core::safetensors::save(&integer, broken.join("model.safetensors")).unwrap();
+    pack_fails(&broken, "model.safetensors: tensor fc.weight: I64 of shape [64, 192], not a head's weight");
+    candle_core::safetensors::save(&tensors, broken.join("model.safetensors")).unwrap();
+    let lacking = dir.path().join("lacking");
+    assert!(frspec().args(["pack-head", broken.to_str().unwrap(), "--out", lacking.to_str().unwrap()]).status().unwrap().success());
+    let err = fails(&["generate", "--model", m, "--prompt", "x", "--draft-kind", "eagle3", "--draft", lacking.to_str().unwrap(), "--max-new-tokens", "2"], &[]);
+    assert!(err.contains("lacking/model.gguf: tensor fc.weight is missing") && err.lines().count() == 1, "{err}");
+
     let failed = |target: &str, out: &str, extra: &[&str], expected: &str| {
         let out = dir.path().join(out);
         let a = args(target, &out, extra);

@@ -101,6 +101,25 @@ fn greedy_speculative_output_equals_target_greedy_for_every_ratio_k_and_draft() 
     }
 }
 
+/// The shipped EAGLE-3 head, packed in Q8_0 (`loading::pack`), as the `smollm2-eagle3` preset loads it: lossless at
+/// T = 0 with its draft vocabulary pruned further, and accepted.
+#[test]
+fn the_shipped_eagle3_head_drafts_losslessly_and_is_accepted() {
+    let t = smollm2();
+    let mut draft = build(&DraftKind::Eagle3, Some(frspec::spec::SMOLLM2_EAGLE3_HEAD), t, "smollm2").unwrap();
+    let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 64 };
+    let (mut accepted, mut steps) = (0, 0);
+    for (i, prompt) in mt_bench_prompts(4).iter().enumerate() {
+        let want = generate(&t.model, &t.tokenizer.stop_ids, prompt, 64, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
+        for ratio in [0.0, 0.9] {
+            let (got, rec) = run(draft.as_mut(), keep(ratio), HeadMode::Slice, prompt, &cfg, 1);
+            assert_eq!(got, want, "ratio {ratio} prompt {i}");
+            (accepted, steps) = (accepted + rec.accepted, steps + rec.drafts);
+        }
+    }
+    assert!(accepted as f64 > 0.3 * steps as f64, "the head's drafts are accepted: {accepted} tokens in {steps} steps");
+}
+
 #[test]
 fn slice_and_mask_heads_give_identical_records_and_seeds_repeat() {
     let t = smollm2();

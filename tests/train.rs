@@ -214,6 +214,22 @@ fn an_eagle3_head_learns_and_runs_in_the_engine_as_it_trained() {
     assert!(worst < 1e-3, "engine and training forward differ by {worst}");
     let unrolled = train::unrolled_outputs(&target.model, &exported, conv, 3).unwrap();
     assert_unrolled_steps_are_the_engines_drafts(&mut draft, &unrolled, conv, &features);
+
+    // Packed as heads ship (Q8_0 in model.gguf), the same head: its draft vocabulary and layers exactly, its logits
+    // within Q8_0's rounding (a weight moves by at most half a step of its block's largest / 127).
+    let packed = dir.path().join("eagle3-packed");
+    frspec::loading::pack::pack(&head, &packed).unwrap();
+    let first = std::fs::read(packed.join("model.gguf")).unwrap();
+    frspec::loading::pack::pack(&head, &packed).unwrap();
+    assert_eq!(std::fs::read(packed.join("model.gguf")).unwrap(), first, "the same head packs to the same bytes");
+    assert!(!packed.join("model.safetensors").exists());
+    let mut quantized = Eagle3Draft::load(&packed, &target.model).unwrap();
+    assert_eq!(quantized.target_layers(), capture);
+    assert_eq!(quantized.lm_head().row_ids.as_deref(), Some(&vocab.ids));
+    let (full, q8) = (draft.teacher_forced_logits(&ctx).unwrap(), quantized.teacher_forced_logits(&ctx).unwrap());
+    let spread = full.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = worst_difference(&q8, &full);
+    assert!(worst > 0.0 && worst < 0.02 * spread, "Q8_0 logits differ by {worst} (largest logit {spread})");
 }
 
 #[test]

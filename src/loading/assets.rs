@@ -31,14 +31,25 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
 /// What this repository made itself and ships inside the binary, so that any copy of frspec (an installed one, one
 /// whose checkout is gone) finds it: (name, folder in the cache, files).
 type Embedded = (&'static str, &'static str, &'static [(&'static str, &'static [u8])]);
-const EMBEDDED: &[Embedded] = &[(
-    "smollm2-eagle1",
-    "heads/smollm2-135m-eagle1",
-    &[
-        ("config.json", include_bytes!("../../heads/smollm2-135m-eagle1/config.json")),
-        ("model.safetensors", include_bytes!("../../heads/smollm2-135m-eagle1/model.safetensors")),
-    ],
-)];
+const EMBEDDED: &[Embedded] = &[
+    (
+        "smollm2-eagle1",
+        "heads/smollm2-135m-eagle1",
+        &[
+            ("config.json", include_bytes!("../../heads/smollm2-135m-eagle1/config.json")),
+            ("model.safetensors", include_bytes!("../../heads/smollm2-135m-eagle1/model.safetensors")),
+        ],
+    ),
+    // Packed (Q8_0, `loading::pack`): at f16 it would not fit what travels to a GPU machine beside the other.
+    (
+        "smollm2-eagle3",
+        "heads/smollm2-135m-eagle3",
+        &[
+            ("config.json", include_bytes!("../../heads/smollm2-135m-eagle3/config.json")),
+            ("model.gguf", include_bytes!("../../heads/smollm2-135m-eagle3/model.gguf")),
+        ],
+    ),
+];
 
 /// The folder holding an embedded asset's files, written into the cache on first use. Its name carries the files'
 /// digest, so binaries that ship different versions never share a folder.

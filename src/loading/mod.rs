@@ -1,8 +1,9 @@
 //! Getting models and their files: GGUF / safetensors readers (`weights`), torch's pickles (`pickle`), the hub (`hub`), the offline
-//! assets (`assets`), and a named target resolved to a model with its tokenizer (`target`).
+//! assets (`assets`), heads packed to ship (`pack`), and a named target resolved to a model with its tokenizer (`target`).
 
 pub mod assets;
 pub mod hub;
+pub mod pack;
 pub mod pickle;
 pub mod target;
 pub mod weights;

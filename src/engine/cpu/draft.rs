@@ -82,22 +82,33 @@ pub struct EagleDraft<'a> {
     pub(crate) source: PathBuf,
 }
 
-/// Named tensors of a checkpoint (safetensors or PyTorch pickle), answering to GGUF-style layer names.
+/// Named tensors of a checkpoint (safetensors, PyTorch pickle, or the GGUF of `loading::pack`), answering to
+/// GGUF-style layer names.
 struct TensorFile {
     path: PathBuf,
-    tensors: HashMap<String, Tensor>,
+    store: Store,
     /// What the checkpoint calls its decoder layer: `layers.0.` (EAGLE-1) or `midlayer.` (EAGLE-3).
     layer_prefix: &'static str,
 }
 
+/// A checkpoint's tensors by their own (HF) names: read whole into candle tensors, or a GGUF whose matrices stay
+/// quantized.
+enum Store {
+    Tensors(HashMap<String, Tensor>),
+    Gguf(crate::loading::weights::Gguf),
+}
+
 impl TensorFile {
     fn open(path: &Path) -> Result<TensorFile> {
-        let tensors: HashMap<String, Tensor> = if path.extension().is_some_and(|e| e == "safetensors") {
-            candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?
-        } else {
-            crate::loading::pickle::TorchFile::open(path)?.state_dict()?
+        let extension = path.extension().and_then(|e| e.to_str());
+        let store = match extension {
+            Some("safetensors") => Store::Tensors(
+                candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?,
+            ),
+            Some("gguf") => Store::Gguf(crate::loading::weights::Gguf::open(path)?),
+            _ => Store::Tensors(crate::loading::pickle::TorchFile::open(path)?.state_dict()?),
         };
-        Ok(TensorFile { path: path.to_path_buf(), tensors, layer_prefix: "layers.0." })
+        Ok(TensorFile { path: path.to_path_buf(), store, layer_prefix: "layers.0." })
     }
 
     /// EAGLE checkpoints name layers as HF does, without the `model.` prefix.
@@ -110,20 +121,44 @@ impl TensorFile {
         }
     }
 
-    fn get(&self, name: &str) -> Result<&Tensor> {
-        self.raw(&self.key(name))
+    fn tensor(&self, tensors: &HashMap<String, Tensor>, key: &str) -> Result<Tensor> {
+        let t = tensors.get(key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))?;
+        crate::loading::weights::float_weights(t, &self.path, key)?;
+        Ok(t.clone())
     }
 
-    fn raw(&self, key: &str) -> Result<&Tensor> {
-        self.tensors.get(key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))
+    /// Tensor `key` (its own name) flattened to f32.
+    fn raw_values(&self, key: &str) -> Result<Vec<f32>> {
+        match &self.store {
+            Store::Tensors(tensors) => Ok(self.tensor(tensors, key)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            Store::Gguf(gguf) => gguf.vector(key),
+        }
     }
 
     fn raw_vector(&self, key: &str, len: usize) -> Result<Vec<f32>> {
-        let v = self.raw(key)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let v = self.raw_values(key)?;
         if v.len() != len {
             bail!("{}: {key} has {} values, expected {len}", self.path.display(), v.len());
         }
         Ok(v)
+    }
+
+    /// EAGLE-3's `d2t`: i64 in safetensors; f32 in a packed GGUF, which has no integer tensors (exact below 2^24).
+    fn offsets(&self, key: &str) -> Result<Vec<i64>> {
+        match &self.store {
+            Store::Tensors(tensors) => {
+                let t = tensors.get(key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))?;
+                Ok(t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?)
+            }
+            Store::Gguf(gguf) => gguf
+                .vector(key)?
+                .iter()
+                .map(|&v| match v.fract() == 0.0 && v.abs() < (1 << 24) as f32 {
+                    true => Ok(v as i64),
+                    false => Err(anyhow!("{}: {key} holds {v}, not an id offset", self.path.display())),
+                })
+                .collect(),
+        }
     }
 }
 
@@ -133,23 +168,29 @@ impl WeightSource for TensorFile {
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(&self.key(name))
+        let key = self.key(name);
+        match &self.store {
+            Store::Tensors(tensors) => tensors.contains_key(&key),
+            Store::Gguf(gguf) => gguf.contains(&key),
+        }
     }
 
     fn matrix(&self, name: &str) -> Result<Matrix> {
-        let t = self.get(name)?;
-        crate::loading::weights::float_weights(t, &self.path, &self.key(name))?;
+        let key = self.key(name);
+        let tensors = match &self.store {
+            Store::Tensors(tensors) => tensors,
+            Store::Gguf(gguf) => return gguf.matrix(&key),
+        };
+        let t = self.tensor(tensors, &key)?;
         let &[rows, cols] = t.dims() else {
-            bail!("{}: tensor {} has shape {:?}, expected 2 dimensions", self.path.display(), self.key(name), t.dims())
+            bail!("{}: tensor {key} has shape {:?}, expected 2 dimensions", self.path.display(), t.dims())
         };
         let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         Ok(Matrix { rows, cols, storage: super::tensor::Storage::F32(values) })
     }
 
     fn vector(&self, name: &str) -> Result<Vec<f32>> {
-        let t = self.get(name)?;
-        crate::loading::weights::float_weights(t, &self.path, &self.key(name))?;
-        Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        self.raw_values(&self.key(name))
     }
 }
 
@@ -277,11 +318,11 @@ impl Draft<Model> for EagleDraft<'_> {
 
 /// The weights file of an EAGLE head folder.
 fn checkpoint(dir: &Path) -> Result<PathBuf> {
-    ["model.safetensors", "pytorch_model.bin"]
+    ["model.safetensors", "pytorch_model.bin", crate::loading::pack::PACKED]
         .iter()
         .map(|f| dir.join(f))
         .find(|p| p.is_file())
-        .ok_or_else(|| anyhow!("{}: no model.safetensors or pytorch_model.bin", dir.display()))
+        .ok_or_else(|| anyhow!("{}: no model.safetensors, pytorch_model.bin or {}", dir.display(), crate::loading::pack::PACKED))
 }
 
 /// The target layers whose incoming residual streams an EAGLE-3 head reads when its config names none: low,
@@ -353,7 +394,7 @@ impl<'a> Eagle3Draft<'a> {
             down: load_linear(&src, "blk.0.ffn_down", h, config.intermediate)?,
         };
         let head = load_linear(&src, "output", draft_vocab, h)?.weight;
-        let d2t = src.raw("d2t")?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        let d2t = src.offsets("d2t")?;
         if d2t.len() != draft_vocab {
             bail!("{}: d2t has {} entries, the draft vocabulary {draft_vocab}", src.path.display(), d2t.len());
         }
