@@ -43,11 +43,10 @@ fn packed_tensor(t: &Tensor, name: &str) -> Result<QTensor> {
         (DType::F16 | DType::BF16 | DType::F32, _) => GgmlDType::F32,
         // GGUF has no integer tensors; f32 holds every offset of a vocabulary below 2^24 exactly.
         (DType::I64, &[_]) if name == "d2t" => {
-            let offsets = t.to_vec1::<i64>()?;
-            if offsets.iter().any(|o| o.unsigned_abs() >= 1 << 24) {
+            if t.to_vec1::<i64>()?.iter().any(|o| o.unsigned_abs() >= 1 << 24) {
                 bail!("d2t offsets beyond 2^24 have no exact f32");
             }
-            return Ok(QTensor::quantize(&t.to_dtype(DType::F32)?, GgmlDType::F32)?);
+            GgmlDType::F32
         }
         (other, dims) => bail!("{other:?} of shape {dims:?}, not a head's weight (f16, bf16 or f32; d2t i64)"),
     };

@@ -121,10 +121,15 @@ impl TensorFile {
         }
     }
 
-    fn tensor(&self, tensors: &HashMap<String, Tensor>, key: &str) -> Result<Tensor> {
-        let t = tensors.get(key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))?;
+    fn lookup<'t>(&self, tensors: &'t HashMap<String, Tensor>, key: &str) -> Result<&'t Tensor> {
+        tensors.get(key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))
+    }
+
+    /// A weight: `lookup`, and float.
+    fn tensor<'t>(&self, tensors: &'t HashMap<String, Tensor>, key: &str) -> Result<&'t Tensor> {
+        let t = self.lookup(tensors, key)?;
         crate::loading::weights::float_weights(t, &self.path, key)?;
-        Ok(t.clone())
+        Ok(t)
     }
 
     /// Tensor `key` (its own name) flattened to f32.
@@ -146,10 +151,7 @@ impl TensorFile {
     /// EAGLE-3's `d2t`: i64 in safetensors; f32 in a packed GGUF, which has no integer tensors (exact below 2^24).
     fn offsets(&self, key: &str) -> Result<Vec<i64>> {
         match &self.store {
-            Store::Tensors(tensors) => {
-                let t = tensors.get(key).ok_or_else(|| anyhow!("{}: tensor {key} is missing", self.path.display()))?;
-                Ok(t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?)
-            }
+            Store::Tensors(tensors) => Ok(self.lookup(tensors, key)?.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?),
             Store::Gguf(gguf) => gguf
                 .vector(key)?
                 .iter()
