@@ -303,6 +303,10 @@ pub enum Command {
         /// conversations or more (then its first ones).
         #[arg(long)]
         teacher_from: Option<PathBuf>,
+        /// Start from this head (a folder train-eagle exported) instead of initial weights: its weights, fresh
+        /// optimizer moments and a schedule of this run's own; an EAGLE-3 head keeps its draft vocabulary.
+        #[arg(long)]
+        init_from: Option<PathBuf>,
         /// Train against a pruned vocabulary ranked by these frequencies (a file or a named one such as
         /// brown-smollm2; with --ratio or --keep).
         #[arg(long)]

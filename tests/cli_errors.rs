@@ -334,7 +334,7 @@ fn bad_training_input() {
     assert!(err.contains("freq/brown-smollm2.safetensors") && err.contains("scripts/build-freq.sh"), "{err}");
     assert!(!out.exists(), "no partial output");
 
-    for (flag, value) in [("--classification-weight", "-1"), ("--feature-weight", "-0.5"), ("--feature-weight", "inf"), ("--unroll-decay", "NaN")] {
+    for (flag, value) in [("--lr", "-1e-3"), ("--weight-decay", "NaN"), ("--classification-weight", "-1"), ("--feature-weight", "-0.5"), ("--feature-weight", "inf"), ("--unroll-decay", "NaN")] {
         let err = fails(&[&base[..], &[&format!("{flag}={value}")]].concat(), &[]);
         assert!(err.contains(&format!("{flag} must be a finite number ≥ 0")), "{flag} {value}: {err}");
         assert!(!out.exists(), "no partial output");
@@ -515,6 +515,14 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
     assert!(frspec().args(["pack-head", broken.to_str().unwrap(), "--out", lacking.to_str().unwrap()]).status().unwrap().success());
     let err = fails(&["generate", "--model", m, "--prompt", "x", "--draft-kind", "eagle3", "--draft", lacking.to_str().unwrap(), "--max-new-tokens", "2"], &[]);
     assert!(err.contains("lacking/model.gguf: tensor fc.weight is missing") && err.lines().count() == 1, "{err}");
+    // GGUF keeps d2t as f32: offsets that are not whole numbers are one error when the head loads.
+    let mut halves = candle_core::safetensors::load(taken.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    halves.insert("d2t".into(), (halves["d2t"].to_dtype(candle_core::DType::F32).unwrap() + 0.5).unwrap());
+    candle_core::safetensors::save(&halves, broken.join("model.safetensors")).unwrap();
+    let fractional = dir.path().join("fractional");
+    assert!(frspec().args(["pack-head", broken.to_str().unwrap(), "--out", fractional.to_str().unwrap()]).status().unwrap().success());
+    let err = fails(&["generate", "--model", m, "--prompt", "x", "--draft-kind", "eagle3", "--draft", fractional.to_str().unwrap(), "--max-new-tokens", "2"], &[]);
+    assert!(err.contains("fractional/model.gguf: d2t holds") && err.contains(".5, not an id offset") && err.lines().count() == 1, "{err}");
 
     let failed = |target: &str, out: &str, extra: &[&str], expected: &str| {
         let out = dir.path().join(out);
@@ -530,6 +538,27 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
     failed(m, "untrained", &["--arch", "eagle3", "--steps", "0"], "an untrained head needs at least one step");
     let shallow = synthetic_dir();
     failed(shallow.path().to_str().unwrap(), "shallow", &["--arch", "eagle3"], "reads three residual streams of the target, which has 2 layers (at least 4 needed)");
+
+    // --init-from starts from a head's weights and keeps its draft vocabulary: at learning rate 0 the head comes out
+    // as it went in, though another seed's teacher data would give another vocabulary.
+    let t = taken.to_str().unwrap();
+    let other_seed = run("other-seed", &["--arch", "eagle3", "--draft-vocab", "64", "--seed", "5"]);
+    let d2t = |head: &Path| candle_core::safetensors::load(head.join("model.safetensors"), &candle_core::Device::Cpu).unwrap()["d2t"].to_vec1::<i64>().unwrap();
+    assert_ne!(d2t(&other_seed), d2t(&taken));
+    let restarted = run("restarted", &["--arch", "eagle3", "--seed", "5", "--lr", "0", "--init-from", t]);
+    assert_eq!(bytes(restarted.join("model.safetensors")), bytes(taken.join("model.safetensors")));
+    let moved = run("moved", &["--arch", "eagle3", "--seed", "5", "--init-from", t]);
+    assert_eq!(d2t(&moved), d2t(&taken));
+    assert_ne!(bytes(moved.join("model.safetensors")), bytes(taken.join("model.safetensors")));
+    let err = fails(&args(m, &restarted, &["--arch", "eagle3", "--draft-vocab", "64", "--seed", "5", "--lr", "0"]).iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert!(err.contains("holds another training run (differs in: init_sha256)"), "{err}");
+    failed(m, "init-arch", &["--arch", "eagle3", "--init-from", eagle1.to_str().unwrap()], "eagle1/model.safetensors: an eagle1 head, but this run trains --arch eagle3");
+    failed(m, "init-vocab", &["--arch", "eagle3", "--draft-vocab", "32", "--init-from", t], "--draft-vocab 32 differs from the 64 draft ids of the --init-from head");
+    failed(m, "init-missing", &["--arch", "eagle3", "--init-from", packed.to_str().unwrap()], "packed/model.safetensors");
+    let mut narrow = candle_core::safetensors::load(taken.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    narrow.insert("fc.weight".into(), narrow["fc.weight"].narrow(1, 0, 96).unwrap());
+    candle_core::safetensors::save(&narrow, broken.join("model.safetensors")).unwrap();
+    failed(m, "init-shape", &["--arch", "eagle3", "--init-from", broken.to_str().unwrap()], "broken/model.safetensors: tensor fc.weight is [64, 96], where this target's head has [64, 192]");
 }
 
 #[test]

@@ -29,7 +29,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 mod ops;
 mod run;
@@ -898,15 +898,7 @@ impl State {
 
     /// An exported head (model.safetensors in `dir`) as weights, in f32.
     pub fn from_head(dir: &Path) -> Result<State> {
-        let path = dir.join("model.safetensors");
-        let t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-        let arch = Arch::of(&t);
-        let init = arch
-            .keys()
-            .iter()
-            .map(|k| t.get(*k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()))?.to_dtype(DType::F32).map_err(Into::into))
-            .collect::<Result<Vec<_>>>()?;
-        State::fresh(arch, init)
+        Ok(Head::load(dir)?.state)
     }
 
     /// Weights equal, bit for bit (moments included).
@@ -941,6 +933,37 @@ impl State {
             self.vars[i].set(&next)?;
         }
         Ok(())
+    }
+}
+
+/// An exported head (model.safetensors in a folder, as `export` writes it): its weights in f32 with fresh moments,
+/// and an EAGLE-3 head's draft vocabulary, which its LM head's rows stand for.
+pub struct Head {
+    pub state: State,
+    pub draft_vocabulary: Option<Vec<u32>>,
+    pub path: PathBuf,
+}
+
+impl Head {
+    pub fn load(dir: &Path) -> Result<Head> {
+        let path = dir.join("model.safetensors");
+        let t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let get = |k: &str| t.get(k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()));
+        let arch = Arch::of(&t);
+        let init = arch.keys().iter().map(|k| get(k)?.to_dtype(DType::F32).map_err(Into::into)).collect::<Result<Vec<_>>>()?;
+        let draft_vocabulary = match arch {
+            Arch::Eagle1 => None,
+            Arch::Eagle3 => {
+                let d2t = get("d2t")?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+                let ids = d2t.iter().enumerate().map(|(d, o)| u32::try_from(d as i64 + o).ok()).collect::<Option<Vec<u32>>>();
+                // `export` writes them sorted, as vLLM's heads have them; sorted also means no id twice.
+                match ids {
+                    Some(ids) if ids.windows(2).all(|w| w[0] < w[1]) => Some(ids),
+                    _ => bail!("{}: d2t does not map the draft ids to increasing target ids", path.display()),
+                }
+            }
+        };
+        Ok(Head { state: State::fresh(arch, init)?, draft_vocabulary, path })
     }
 }
 

@@ -4,7 +4,7 @@
 
 use super::{
     checkpoint_due, continuations, draft_vocabulary, export, forced, load_teacher, prompts, save_teacher, self_prompts, sharegpt_prompts, teacher_data, teacher_forced,
-    Arch, Conversation, State, StepLog, TrainSettings, Trainer, SHAREGPT_MAX_PROMPT_TOKENS,
+    Arch, Conversation, Head, KeepSet, State, StepLog, TrainSettings, Trainer, SHAREGPT_MAX_PROMPT_TOKENS,
 };
 use crate::loading::target::Target;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
@@ -34,10 +34,39 @@ pub struct TrainOptions {
     pub settings: TrainSettings,
     /// Another training folder whose teacher data this run may reuse.
     pub teacher_from: Option<PathBuf>,
+    /// A head folder whose weights the run starts from (with fresh moments and its own schedule) instead of the
+    /// initial ones; an EAGLE-3 head keeps its draft vocabulary.
+    pub init_from: Option<PathBuf>,
     /// Train against a pruned vocabulary: frequencies and how many ids to keep.
     pub freq: Option<PathBuf>,
     pub keep: Option<KeepRule>,
     pub quiet: bool,
+}
+
+/// Whether a head given to --init-from can be trained for this target and run: the same kind, each tensor the shape
+/// the run's own initial head has. Its draft vocabulary (EAGLE-3) replaces the one the teacher data would give.
+fn fits(head: &Head, target: &Target, keep: Option<&KeepSet>, s: &TrainSettings) -> Result<Option<KeepSet>> {
+    let name = head.path.display();
+    if head.state.arch != s.arch {
+        let [theirs, ours] = [head.state.arch, s.arch].map(|a| format!("{a:?}").to_lowercase());
+        bail!("--init-from {name}: an {theirs} head, but this run trains --arch {ours}");
+    }
+    let vocab = target.model.config.vocab;
+    let keep = match &head.draft_vocabulary {
+        Some(ids) if ids.last().is_some_and(|&t| t as usize >= vocab) => bail!("{name}: d2t names ids beyond the target's vocabulary of {vocab}"),
+        Some(ids) => Some(KeepSet { ids: ids.clone(), vocab }),
+        None => keep.cloned(),
+    };
+    let fresh = Trainer { target, data: &[], keep: keep.as_ref(), settings: s.clone() }.start()?;
+    for ((key, ours), theirs) in s.arch.keys().iter().zip(&fresh.vars).zip(&head.state.vars) {
+        if ours.dims() != theirs.dims() {
+            bail!("{name}: tensor {key} is {:?}, where this target's head has {:?}", theirs.dims(), ours.dims());
+        }
+    }
+    Ok(match s.arch {
+        Arch::Eagle1 => None,
+        Arch::Eagle3 => keep,
+    })
 }
 
 fn bar(quiet: bool, len: usize, template: &str) -> Result<indicatif::ProgressBar> {
@@ -213,7 +242,8 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             o.sharegpt
         );
     }
-    for (flag, w) in [("--classification-weight", s.classification_weight), ("--feature-weight", s.feature_weight), ("--unroll-decay", s.unroll_decay)] {
+    let numbers = [("--lr", s.lr), ("--weight-decay", s.weight_decay), ("--classification-weight", s.classification_weight), ("--feature-weight", s.feature_weight), ("--unroll-decay", s.unroll_decay)];
+    for (flag, w) in numbers {
         if !(w.is_finite() && w >= 0.0) {
             bail!("{flag} must be a finite number ≥ 0, not {w}");
         }
@@ -252,7 +282,16 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     };
     let sharegpt = if o.sharegpt > 0 { Some(sharegpt_requests(o, &target)?) } else { None };
     let vocab = target.model.config.vocab;
-    let s = &TrainSettings { draft_vocab: if s.arch == Arch::Eagle3 && s.draft_vocab == 0 { vocab / 4 } else { s.draft_vocab }, ..s.clone() };
+    let init = o.init_from.as_deref().map(Head::load).transpose()?;
+    let draft_vocab = match init.as_ref().and_then(|h| h.draft_vocabulary.as_ref()) {
+        Some(ids) if s.draft_vocab != 0 && s.draft_vocab != ids.len() => {
+            bail!("--draft-vocab {} differs from the {} draft ids of the --init-from head", s.draft_vocab, ids.len())
+        }
+        Some(ids) => ids.len(),
+        None if s.arch == Arch::Eagle3 && s.draft_vocab == 0 => vocab / 4,
+        None => s.draft_vocab,
+    };
+    let s = &TrainSettings { draft_vocab, ..s.clone() };
     if s.draft_vocab > vocab {
         bail!("--draft-vocab {} is larger than the target's vocabulary of {vocab}", s.draft_vocab);
     }
@@ -260,6 +299,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     if s.arch == Arch::Eagle3 && target.model.config.layers < 4 {
         bail!("--arch eagle3 reads three residual streams of the target, which has {} layers (at least 4 needed)", target.model.config.layers);
     }
+    let init_vocabulary = init.as_ref().map(|head| fits(head, &target, keep.as_ref(), s)).transpose()?.flatten();
 
     // What the teacher data depends on; the rest of the identity is how the head is trained.
     let mut data_identity = serde_json::json!({
@@ -294,6 +334,10 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         "keep": o.keep.map(|k| format!("{k:?}")),
         "freq_sha256": o.freq.as_deref().map(crate::outputs::manifest::sha256).transpose()?,
     });
+    // Absent when unused, so folders made before --init-from keep their identity.
+    if let Some(head) = &init {
+        identity["init_sha256"] = serde_json::json!(crate::outputs::manifest::sha256(&head.path)?);
+    }
     // Absent when unused, so folders made before continuations existed keep their identity.
     if o.continuations > 0 {
         identity["continuations"] = continuation_identity;
@@ -348,8 +392,10 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             .map_err(|_| anyhow!("{} exists and does not hold a frspec training run: choose another --out", o.out.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", run_json.display()))?;
         if theirs != identity {
-            let differ: Vec<&String> = identity.as_object().into_iter().flatten().filter(|(k, v)| theirs.get(*k) != Some(*v)).map(|(k, _)| k).collect();
-            bail!("{} holds another training run (differs in: {}): choose another --out", o.out.display(), differ.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "));
+            // Either side's keys: a part one run has and the other lacks differs too.
+            let keys: std::collections::BTreeSet<&String> = [&identity, &theirs].iter().flat_map(|v| v.as_object().into_iter().flatten().map(|(k, _)| k)).collect();
+            let differ: Vec<&str> = keys.into_iter().filter(|k| identity.get(k) != theirs.get(k)).map(String::as_str).collect();
+            bail!("{} holds another training run (differs in: {}): choose another --out", o.out.display(), differ.join(", "));
         }
     }
     std::fs::create_dir_all(&o.out).with_context(|| format!("cannot create {}", o.out.display()))?;
@@ -392,14 +438,19 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             teacher_data(&target, requests, o.max_new_tokens, &capture, on_done)
         })?);
     }
-    let keep = match s.arch {
-        Arch::Eagle1 => keep,
-        Arch::Eagle3 => Some(draft_vocabulary(&data, s.draft_vocab, vocab)?),
+    let keep = match (s.arch, init_vocabulary) {
+        (Arch::Eagle1, _) => keep,
+        (Arch::Eagle3, Some(head_vocabulary)) => Some(head_vocabulary),
+        (Arch::Eagle3, None) => Some(draft_vocabulary(&data, s.draft_vocab, vocab)?),
     };
 
     let trainer = Trainer { target: &target, data: &data, keep: keep.as_ref(), settings: s.clone() };
     let checkpoint_path = o.out.join("checkpoint.safetensors");
-    let mut state = if checkpoint_path.exists() { State::load(&checkpoint_path)? } else { trainer.start()? };
+    let mut state = match init {
+        _ if checkpoint_path.exists() => State::load(&checkpoint_path)?,
+        Some(head) => head.state,
+        None => trainer.start()?,
+    };
     let log_path = o.out.join("training_log.jsonl");
     // Lines past the checkpoint were written by an interrupted run; the resumed one writes them again.
     let kept_lines: Vec<String> = std::fs::read_to_string(&log_path)
