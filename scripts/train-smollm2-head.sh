@@ -13,10 +13,11 @@
 #
 # eagle3 (heads/smollm2-135m-eagle3/, preset smollm2-eagle3): the first 2,400 distinct ShareGPT requests answered by
 # the target, its residual streams entering layers 2, 15 and 27 kept; a draft vocabulary of the 8,192 ids its
-# answers hold most often; the token term alone with the training-time test over 2 further steps; four epochs.
-# Packed in Q8_0 (frspec pack-head). About 3,300 s of data and 6,000 s of training
-# (results/train/smollm2-135m-eagle3.md).
-# Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags, e.g. --teacher-from DIR]
+# answers hold most often; the token term alone with the training-time test over 2 further steps; four epochs, then
+# two more from that head with a schedule of their own (--init-from: lr 3e-4, warm-up 20). Packed in Q8_0 (frspec
+# pack-head). About 3,300 s of data and 5,900 + 3,000-3,900 s of training (results/train/smollm2-135m-eagle3.md).
+# Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
+#        stage, e.g. --teacher-from DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 arch=eagle1
@@ -27,14 +28,22 @@ cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
-          recipe=(--prompts 2400 --continuations 1500 --self-prompts 2800 --steps 10050 --freq brown-smollm2 --ratio 0.75) ;;
+          recipe=(--prompts 2400 --continuations 1500 --self-prompts 2800 --freq brown-smollm2 --ratio 0.75); steps=10050 ;;
   eagle3) [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
           run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
-          recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --steps 2400 --unroll 2) ;;
+          recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400 ;;
 esac
 start=$(date +%s)
-"$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$run" --max-new-tokens 160 \
-  --batch 4 --lr 1e-3 --warmup 40 --checkpoint-every 100 --seed 0 "${recipe[@]}" "$@"
+train() {
+  "$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --max-new-tokens 160 \
+    --batch 4 --checkpoint-every 100 --seed 0 "$@"
+}
+train --out "$run" --lr 1e-3 --warmup 40 --steps "$steps" "${recipe[@]}" "$@"
+if [ "$arch" = eagle3 ]; then
+  first=$run
+  run=$first-restart2
+  train --out "$run" --lr 3e-4 --warmup 20 --steps 1200 "${recipe[@]}" --teacher-from "$first" --init-from "$first"
+fi
 echo "recipe wall time: $(( $(date +%s) - start )) s"
 head=heads/smollm2-135m-$arch
 mkdir -p "$head"
