@@ -484,7 +484,10 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     drop(log);
     export(&o.out, &state, &target.model, keep.as_ref())?;
     let log: Vec<StepLog> = std::fs::read_to_string(&log_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-    let title = format!("{} head for {} · {} conversations · {} steps × {} conversations", s.arch.name(), o.target, data.len(), s.steps, s.batch);
+    let mut title = format!("{} head for {} · {} conversations · {} steps × {} conversations", s.arch.name(), o.target, data.len(), s.steps, s.batch);
+    if o.init_from.is_some() {
+        title += " · from a trained head";
+    }
     eprintln!("head written to {} ({} steps, {:.0} s this run)", o.out.display(), state.step, started.elapsed().as_secs_f64());
     Ok(Some(Trained { log, title, settings: s.clone() }))
 }
