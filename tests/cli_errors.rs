@@ -559,6 +559,15 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
     narrow.insert("fc.weight".into(), narrow["fc.weight"].narrow(1, 0, 96).unwrap());
     candle_core::safetensors::save(&narrow, broken.join("model.safetensors")).unwrap();
     failed(m, "init-shape", &["--arch", "eagle3", "--init-from", broken.to_str().unwrap()], "broken/model.safetensors: tensor fc.weight is [64, 96], where this target's head has [64, 192]");
+    // A d2t naming an id past the vocabulary, or every draft id the same target id.
+    let mut beyond = d2t(&taken);
+    *beyond.last_mut().unwrap() += 1000;
+    for (offsets, expected) in [(beyond, "broken/model.safetensors: d2t maps draft id 63 outside the target vocabulary"), ((0..64).map(|d| -d).collect(), "broken/model.safetensors: d2t does not map the draft ids to increasing target ids")] {
+        let mut bad = candle_core::safetensors::load(taken.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+        bad.insert("d2t".into(), candle_core::Tensor::new(offsets, &candle_core::Device::Cpu).unwrap());
+        candle_core::safetensors::save(&bad, broken.join("model.safetensors")).unwrap();
+        failed(m, "init-d2t", &["--arch", "eagle3", "--init-from", broken.to_str().unwrap()], expected);
+    }
 }
 
 #[test]

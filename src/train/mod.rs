@@ -937,10 +937,10 @@ impl State {
 }
 
 /// An exported head (model.safetensors in a folder, as `export` writes it): its weights in f32 with fresh moments,
-/// and an EAGLE-3 head's draft vocabulary, which its LM head's rows stand for.
+/// and an EAGLE-3 head's `d2t`, the draft vocabulary its LM head's rows stand for.
 pub struct Head {
     pub state: State,
-    pub draft_vocabulary: Option<Vec<u32>>,
+    pub d2t: Option<Vec<i64>>,
     pub path: PathBuf,
 }
 
@@ -951,19 +951,11 @@ impl Head {
         let get = |k: &str| t.get(k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()));
         let arch = Arch::of(&t);
         let init = arch.keys().iter().map(|k| get(k)?.to_dtype(DType::F32).map_err(Into::into)).collect::<Result<Vec<_>>>()?;
-        let draft_vocabulary = match arch {
+        let d2t = match arch {
             Arch::Eagle1 => None,
-            Arch::Eagle3 => {
-                let d2t = get("d2t")?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
-                let ids = d2t.iter().enumerate().map(|(d, o)| u32::try_from(d as i64 + o).ok()).collect::<Option<Vec<u32>>>();
-                // `export` writes them sorted, as vLLM's heads have them; sorted also means no id twice.
-                match ids {
-                    Some(ids) if ids.windows(2).all(|w| w[0] < w[1]) => Some(ids),
-                    _ => bail!("{}: d2t does not map the draft ids to increasing target ids", path.display()),
-                }
-            }
+            Arch::Eagle3 => Some(get("d2t")?.to_dtype(DType::I64)?.to_vec1::<i64>()?),
         };
-        Ok(Head { state: State::fresh(arch, init)?, draft_vocabulary, path })
+        Ok(Head { state: State::fresh(arch, init)?, d2t, path })
     }
 }
 

@@ -48,13 +48,20 @@ pub struct TrainOptions {
 fn fits(head: &Head, target: &Target, keep: Option<&KeepSet>, s: &TrainSettings) -> Result<Option<KeepSet>> {
     let name = head.path.display();
     if head.state.arch != s.arch {
-        let [theirs, ours] = [head.state.arch, s.arch].map(|a| format!("{a:?}").to_lowercase());
+        // As --arch spells them.
+        let [theirs, ours] = [head.state.arch, s.arch].map(|a| clap::ValueEnum::to_possible_value(&a).map_or_else(String::new, |v| v.get_name().to_string()));
         bail!("--init-from {name}: an {theirs} head, but this run trains --arch {ours}");
     }
     let vocab = target.model.config.vocab;
-    let keep = match &head.draft_vocabulary {
-        Some(ids) if ids.last().is_some_and(|&t| t as usize >= vocab) => bail!("{name}: d2t names ids beyond the target's vocabulary of {vocab}"),
-        Some(ids) => Some(KeepSet { ids: ids.clone(), vocab }),
+    let keep = match &head.d2t {
+        Some(d2t) => {
+            let ids = crate::engine::cpu::draft::d2t_target_ids(d2t, vocab, &head.path)?;
+            // A keep set is sorted (`export` writes d2t so, as vLLM's heads have it); sorted also means no id twice.
+            if !ids.windows(2).all(|w| w[0] < w[1]) {
+                bail!("{name}: d2t does not map the draft ids to increasing target ids");
+            }
+            Some(KeepSet { ids, vocab })
+        }
         None => keep.cloned(),
     };
     let fresh = Trainer { target, data: &[], keep: keep.as_ref(), settings: s.clone() }.start()?;
@@ -283,11 +290,11 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     let sharegpt = if o.sharegpt > 0 { Some(sharegpt_requests(o, &target)?) } else { None };
     let vocab = target.model.config.vocab;
     let init = o.init_from.as_deref().map(Head::load).transpose()?;
-    let draft_vocab = match init.as_ref().and_then(|h| h.draft_vocabulary.as_ref()) {
-        Some(ids) if s.draft_vocab != 0 && s.draft_vocab != ids.len() => {
-            bail!("--draft-vocab {} differs from the {} draft ids of the --init-from head", s.draft_vocab, ids.len())
+    let draft_vocab = match init.as_ref().and_then(|h| h.d2t.as_ref()) {
+        Some(d2t) if s.draft_vocab != 0 && s.draft_vocab != d2t.len() => {
+            bail!("--draft-vocab {} differs from the {} draft ids of the --init-from head", s.draft_vocab, d2t.len())
         }
-        Some(ids) => ids.len(),
+        Some(d2t) => d2t.len(),
         None if s.arch == Arch::Eagle3 && s.draft_vocab == 0 => vocab / 4,
         None => s.draft_vocab,
     };

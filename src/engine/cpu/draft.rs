@@ -333,6 +333,18 @@ pub fn eagle3_default_layers(layers: usize) -> Vec<usize> {
     vec![2, layers / 2, layers.saturating_sub(3)]
 }
 
+/// The target ids of an EAGLE-3 head's draft vocabulary: draft id d is target id d + d2t[d], each within the
+/// target's `vocab` (`path` names the head's file in the error).
+pub fn d2t_target_ids(d2t: &[i64], vocab: usize, path: &Path) -> Result<Vec<u32>> {
+    d2t.iter()
+        .enumerate()
+        .map(|(d, off)| match u32::try_from(d as i64 + off) {
+            Ok(id) if (id as usize) < vocab => Ok(id),
+            _ => Err(anyhow!("{}: d2t maps draft id {d} outside the target vocabulary", path.display())),
+        })
+        .collect()
+}
+
 /// EAGLE-3 (SafeAILab `cnets.py`, vLLM `llama_eagle3.py`): g = fc(cat of the target's residual streams entering
 /// three layers); one `midlayer` attending over cat(input_layernorm(embed(t)), hidden_norm(g)) with g as the
 /// residual; its own final `norm` and `lm_head` over a draft vocabulary whose row d is target id d + d2t[d].
@@ -400,14 +412,7 @@ impl<'a> Eagle3Draft<'a> {
         if d2t.len() != draft_vocab {
             bail!("{}: d2t has {} entries, the draft vocabulary {draft_vocab}", src.path.display(), d2t.len());
         }
-        let row_ids = d2t
-            .iter()
-            .enumerate()
-            .map(|(d, off)| match u32::try_from(d as i64 + off) {
-                Ok(id) if (id as usize) < t.vocab => Ok(id),
-                _ => Err(anyhow!("{}: d2t maps draft id {d} outside the target vocabulary", src.path.display())),
-            })
-            .collect::<Result<Vec<u32>>>()?;
+        let row_ids = d2t_target_ids(&d2t, t.vocab, &src.path)?;
         let geometry = Geometry::new(&config, None);
         Ok(Eagle3Draft {
             target,
