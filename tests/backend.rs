@@ -6,7 +6,7 @@
 mod common;
 use common::frspec;
 use frspec::engine::candle::draft::DraftWeights;
-use frspec::engine::candle::llama::{greedy, named_shape, Llama};
+use frspec::engine::candle::llama::{greedy, named_shape, Attention, Cache, Llama};
 use frspec::engine::candle::DeviceHead;
 use frspec::speculative::{Context, HeadRows, TargetModel};
 use frspec::engine::cpu::model::Config;
@@ -62,7 +62,7 @@ fn caches_roll_back_and_blocks_equal_single_steps() {
     let mut cache = llama.new_cache();
     llama.forward(&prompt, &mut cache).unwrap();
     let first = llama.forward(&block, &mut cache).unwrap();
-    cache.truncate(prompt.len()).unwrap();
+    cache.truncate(prompt.len());
     assert_eq!(cache.len(), prompt.len());
     let again = llama.forward(&block, &mut cache).unwrap();
     assert!(max_abs_diff(&again, &first.flatten_all().unwrap().to_vec1::<f32>().unwrap()) == 0.0);
@@ -83,6 +83,66 @@ fn caches_roll_back_and_blocks_equal_single_steps() {
     parts.catch_up(&Context { tokens: &prompt[..prompt.len() - 1], features: &features }).unwrap();
     let last = parts.catch_up(&Context { tokens: &prompt, features: &features }).unwrap();
     assert!(max_abs_diff(&all, &last.flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-4);
+}
+
+/// Hidden states of `tokens` split into `rows` continuing `caches`, one pass, as a row per sequence.
+fn forward_batch(llama: &Llama, caches: &mut [&mut Cache], tokens: &[&[u32]]) -> Vec<Vec<f32>> {
+    let rows: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+    let (hidden, _) = llama.forward_sequences(&tokens.concat(), caches, &rows, &[]).unwrap();
+    let (mut at, mut out) = (0, Vec::new());
+    for n in rows {
+        out.push(hidden.narrow(0, at, n).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        at += n;
+    }
+    out
+}
+
+#[test]
+fn ragged_sequences_attend_in_one_pass_as_each_alone() {
+    // Every row of a batch at its own place in one pool, written and attended by one launch a layer each, against
+    // each sequence alone through candle's products and softmax: prompts of 1 to 40 positions in one pass, then
+    // blocks of 5, 30, 3 and 2 tokens (the pool grows past its first 64 positions, keeping what it held); a dropped
+    // cache's slot serves a new sequence, and a fifth sequence grows the pool's slots while the others keep theirs.
+    let shape = Config { layers: 2, vocab: 512, ..named_shape("smollm2-135m").unwrap() };
+    let llama = Llama::random(&shape, &Device::Cpu, DType::F32).unwrap();
+    let prompts: Vec<Vec<u32>> = [3usize, 40, 9, 1].iter().map(|&n| (0..n as u32).map(|i| (i * 37 + n as u32) % 512).collect()).collect();
+    let long: Vec<u32> = (100..130).collect();
+    let blocks: [&[u32]; 4] = [&[8, 19, 23, 4, 61], &long, &[5, 6, 7], &[300, 301]];
+    let alone = |prompt: &[u32], then: &[&[u32]]| -> Vec<Vec<f32>> {
+        let mut cache = llama.new_cache().attending(Attention::Products);
+        llama.forward(prompt, &mut cache).unwrap();
+        then.iter().map(|t| llama.forward(t, &mut cache).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    };
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(got.len() == want.len() && diff < 1e-4, "{what}: differs by {diff}");
+    };
+
+    let mut caches: Vec<Cache> = (0..4).map(|_| llama.new_cache()).collect();
+    let prompt_refs: Vec<&[u32]> = prompts.iter().map(|p| &p[..]).collect();
+    forward_batch(&llama, &mut caches.iter_mut().collect::<Vec<_>>(), &prompt_refs);
+    let got = forward_batch(&llama, &mut caches.iter_mut().collect::<Vec<_>>(), &blocks);
+    for (i, (prompt, block)) in prompts.iter().zip(blocks).enumerate() {
+        close(&got[i], &alone(prompt, &[block])[0], &format!("sequence {i}'s block"));
+    }
+
+    // Sequence 1's slot goes to a new sequence; a fifth grows the slots; sequence 0 goes on beside them.
+    let dropped = caches.remove(1);
+    drop(dropped);
+    let (fresh, fifth): (&[u32], &[u32]) = (&[1, 2, 3, 4], &[9, 10]);
+    caches.push(llama.new_cache());
+    caches.push(llama.new_cache());
+    let [first, _, _, reused, fifth_cache] = &mut caches[..] else { unreachable!("five caches") };
+    let got = forward_batch(&llama, &mut [first, reused, fifth_cache], &[&[42], fresh, fifth]);
+    close(&got[0], &alone(&prompts[0], &[blocks[0], &[42]])[1], "sequence 0 after the pool grew");
+    close(&got[1], &llama.forward(fresh, &mut llama.new_cache().attending(Attention::Products)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "a sequence in a reused slot");
+    close(&got[2], &llama.forward(fifth, &mut llama.new_cache().attending(Attention::Products)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "a fifth sequence");
+
+    // Caches of two models never share a forward.
+    let other = Llama::random(&shape, &Device::Cpu, DType::F32).unwrap();
+    let (mut mine, mut theirs) = (llama.new_cache(), other.new_cache());
+    let err = llama.forward_sequences(&[1, 2], &mut [&mut mine, &mut theirs], &[1, 1], &[]).unwrap_err();
+    assert!(err.to_string().contains("belong to one model"), "{err}");
 }
 
 #[test]

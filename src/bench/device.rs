@@ -5,7 +5,7 @@ use super::{median, median_secs, HeadPoint, Roofline};
 use crate::engine::candle::draft::DraftWeights;
 use crate::engine::candle::kernels::product;
 use crate::engine::candle::HEAD_ROW_MULTIPLE;
-use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Cache, Llama, OneTokenAttention};
+use crate::engine::candle::llama::{argmax_rows, greedy, layer_parameters, streamed_parameters, Attention, Llama};
 use crate::engine::cpu::model::{Config, Model};
 use crate::sampling::Sampling;
 use crate::speculative::decode::{speculative_turns, TurnJob, Turns};
@@ -280,8 +280,8 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         }
     }
     let decode_tok_s = median(&decode_runs);
-    let (decode_enqueue_secs, decode_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens, OneTokenAttention::Fused)?;
-    let (_, decode_products_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens, OneTokenAttention::Products)?;
+    let (decode_enqueue_secs, decode_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens, Attention::Fused)?;
+    let (_, decode_products_synced_secs) = enqueue_and_step(model, s.prompt, s.new_tokens, Attention::Products)?;
 
     let weight_bytes = (streamed_parameters(&model.config) * model.dtype.size_in_bytes()) as f64;
     let device_bytes_per_sec = bandwidth(device)?;
@@ -298,7 +298,8 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
             let block: Vec<u32> = s.prompt.iter().cycle().take(tokens).copied().collect();
             let secs = median_secs(|| {
                 argmax_rows(&model.logits(&model.forward(&block, &mut cache)?)?)?;
-                cache.truncate(base)
+                cache.truncate(base);
+                Ok(())
             })?;
             Ok(BlockCost { tokens, secs, share: step_limit_secs / secs })
         })
@@ -391,8 +392,8 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
 
 /// Medians over `steps` one-token steps after `prompt` of the host time to enqueue a step and of the step's time
 /// until the device is done with it (the next token fixed, so nothing is read back).
-fn enqueue_and_step(model: &Llama, prompt: &[u32], steps: usize, one_token: OneTokenAttention) -> Result<(f64, f64)> {
-    let mut cache = Cache::attending(model.config.layers, one_token);
+fn enqueue_and_step(model: &Llama, prompt: &[u32], steps: usize, attention: Attention) -> Result<(f64, f64)> {
+    let mut cache = model.new_cache().attending(attention);
     model.forward(prompt, &mut cache)?;
     let (mut enqueue, mut synced) = (Vec::new(), Vec::new());
     for _ in 0..steps {

@@ -2,7 +2,7 @@
 //! compute (`engine::cpu::draft`, whose loaders read and check the checkpoints) with candle tensors on the device.
 //! Weights are converted once and shared (candle tensors are reference-counted); each `instance` has its own cache.
 
-use super::llama::{norm_weights, rms_norm, Cache, Layer, Llama, Proj, Random, Rope};
+use super::llama::{norm_weights, rms_norm, Cache, KvPool, Layer, Llama, Proj, Random, Rope};
 use super::{DeviceFeatures, DeviceHead};
 use crate::engine::cpu::draft::Loaded;
 use crate::engine::cpu::model::Geometry;
@@ -28,6 +28,7 @@ impl DraftWeights {
             Loaded::Eagle(d) => DraftWeights::Eagle(Arc::new(EagleWeights {
                 fc: Proj::from_engine(&d.fc, device, dtype)?,
                 layer: Layer::from_engine(&d.layer, device, dtype)?,
+                pool: layer_pool(&d.geometry, target),
                 rope: Rope::of(&d.geometry),
                 geometry: d.geometry.clone(),
                 source: d.source.display().to_string(),
@@ -44,6 +45,7 @@ impl DraftWeights {
                     vocab: d.lm_head.vocab,
                 },
                 aux_layers: d.aux_layers.clone(),
+                pool: layer_pool(&d.geometry, target),
                 rope: Rope::of(&d.geometry),
                 geometry: d.geometry.clone(),
                 source: d.source.display().to_string(),
@@ -57,6 +59,7 @@ impl DraftWeights {
         Ok(DraftWeights::Eagle(Arc::new(EagleWeights {
             fc: r.proj(c.hidden, 2 * c.hidden)?,
             layer: Layer::random(c, &r, false)?,
+            pool: layer_pool(&target.geometry, target),
             rope: Rope::of(&target.geometry),
             geometry: target.geometry.clone(),
             source: "random".into(),
@@ -69,10 +72,15 @@ impl DraftWeights {
             DraftWeights::Model { model, label } => {
                 Box::new(ModelDraft { cache: model.new_cache(), model: model.clone(), label: label.clone(), chooser: Chooser::default() })
             }
-            DraftWeights::Eagle(w) => Box::new(EagleDraft { w: w.clone(), target, cache: Cache::new(1), last: None, chooser: Chooser::default() }),
-            DraftWeights::Eagle3(w) => Box::new(Eagle3Draft { w: w.clone(), target, cache: Cache::new(1), last: None, chooser: Chooser::default() }),
+            DraftWeights::Eagle(w) => Box::new(EagleDraft { w: w.clone(), target, cache: w.pool.cache(), last: None, chooser: Chooser::default() }),
+            DraftWeights::Eagle3(w) => Box::new(Eagle3Draft { w: w.clone(), target, cache: w.pool.cache(), last: None, chooser: Chooser::default() }),
         }
     }
+}
+
+/// The pool of an EAGLE head's one layer: every instance's cache is a slot of it.
+fn layer_pool(g: &Geometry, target: &Llama) -> Arc<KvPool> {
+    KvPool::new(1, g.kv_heads, g.head_dim, target.dtype, &target.device)
 }
 
 /// A draft model sharing the target's tokenizer (independent, or the target's first layers).
@@ -93,7 +101,7 @@ impl Draft<Llama> for ModelDraft {
     }
 
     fn reset(&mut self) {
-        self.cache = self.model.new_cache();
+        self.cache.truncate(0);
     }
 
     fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<Tensor> {
@@ -122,6 +130,7 @@ impl Draft<Llama> for ModelDraft {
 pub struct EagleWeights {
     fc: Proj,
     layer: Layer,
+    pool: Arc<KvPool>,
     geometry: Geometry,
     rope: Rope,
     source: String,
@@ -141,11 +150,8 @@ impl EagleDraft<'_> {
     fn step(&mut self, features: &Tensor, tokens: &[u32]) -> Result<Tensor> {
         let pair = Tensor::cat(&[&self.target.embed(tokens)?, features], 1)?;
         let x = self.w.fc.forward(&pair)?;
-        let start = self.cache.len();
-        let rope = self.w.rope.at(start, tokens.len(), &self.target.device)?;
-        let out = self.w.layer.forward(&self.w.geometry, &rope, &x, None, self.cache.layer(0), start)?;
-        self.cache.advance(tokens.len());
-        Ok(out)
+        let rope = self.w.rope.at(self.cache.len(), tokens.len(), &self.target.device)?;
+        self.w.layer.forward(&self.w.geometry, &rope, &x, None, &mut self.cache)
     }
 }
 
@@ -159,7 +165,7 @@ impl Draft<Llama> for EagleDraft<'_> {
     }
 
     fn reset(&mut self) {
-        self.cache = Cache::new(1);
+        self.cache.truncate(0);
         self.last = None;
     }
 
@@ -202,6 +208,7 @@ pub struct Eagle3Weights {
     norm: Tensor,
     lm_head: LmHead<DeviceHead>,
     aux_layers: Vec<usize>,
+    pool: Arc<KvPool>,
     geometry: Geometry,
     rope: Rope,
     source: String,
@@ -222,11 +229,8 @@ impl Eagle3Draft<'_> {
         let eps = self.w.geometry.rms_eps as f64;
         let e = rms_norm(&self.target.embed(tokens)?, &self.w.input_norm, eps)?;
         let attn_input = Tensor::cat(&[&e, &rms_norm(g, &self.w.hidden_norm, eps)?], 1)?;
-        let start = self.cache.len();
-        let rope = self.w.rope.at(start, tokens.len(), &self.target.device)?;
-        let out = self.w.layer.forward(&self.w.geometry, &rope, g, Some(&attn_input), self.cache.layer(0), start)?;
-        self.cache.advance(tokens.len());
-        Ok(out)
+        let rope = self.w.rope.at(self.cache.len(), tokens.len(), &self.target.device)?;
+        self.w.layer.forward(&self.w.geometry, &rope, g, Some(&attn_input), &mut self.cache)
     }
 
     /// Keep the last pre-norm output and return its final norm: what the draft LM head reads.
@@ -251,7 +255,7 @@ impl Draft<Llama> for Eagle3Draft<'_> {
     }
 
     fn reset(&mut self) {
-        self.cache = Cache::new(1);
+        self.cache.truncate(0);
         self.last = None;
     }
 

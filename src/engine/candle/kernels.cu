@@ -1,7 +1,8 @@
 // frspec's own CUDA kernels for the candle engine's decode step, where candle and candle-nn have no fused op: RoPE of
-// queries and keys in place in the fused QKV row, SiLU(gate) × up, one-token attention over the cache, and the
-// matrix-vector product (with the RMSNorm before it or the residual add after it folded in). Built to
-// PTX by build.rs (feature `cuda`); each has a CPU twin in kernels.rs, which the tests check against the CPU engine.
+// queries and keys in place in the fused QKV row, SiLU(gate) × up, keys and values written into the caches, the
+// attention of every row of a batch over its own cache, and the matrix-vector product (with the RMSNorm before it or
+// the residual add after it folded in). Built to PTX by build.rs (feature `cuda`); each has a CPU twin in kernels.rs,
+// which the tests check against the CPU engine.
 // Arithmetic in f32 whatever the storage type.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -58,21 +59,40 @@ __device__ float block_reduce(float v, float *red, bool is_max) {
   return v;
 }
 
-// One query row q [heads, d] attending to positions 0..len of the cache kv [2, kv_heads, capacity, d] (keys, then
-// values); out [heads, d]. One block per query head. Decode is latency-bound, so every thread keeps many independent
-// loads in flight: a thread per key for the scores (its row read whole, unrolled), then blockDim / d groups of threads
-// that each sum every G-th value row over all d columns (coalesced), and a sum of the groups' partials. Dynamic
-// shared memory: len scores, the query row, G × d partials.
+// Rows of qkv [rows, width] (queries first: `heads` heads of d, then kv_heads keys and kv_heads values) into the pool
+// [slots, 2, kv_heads, capacity, d] of every sequence's cache: row r at slot at[2r], position at[2r + 1]. One block
+// per (row, key or value head).
 template <typename T>
-__device__ void decode_attention(const T *q, const T *kv, T *out, int heads, int kv_heads, int d, int capacity, int len, float scale) {
+__device__ void write_kv(const T *qkv, T *pool, const unsigned *at, int heads, int kv_heads, int d, int capacity, int width) {
+  const int per_row = 2 * kv_heads, row = blockIdx.x / per_row, plane_head = blockIdx.x % per_row;
+  const unsigned slot = at[2 * row], position = at[2 * row + 1];
+  const T *src = qkv + (size_t)row * width + (size_t)(heads + plane_head) * d;
+  T *dst = pool + (((size_t)slot * per_row + plane_head) * capacity + position) * d;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
+}
+
+// Every query row of qkv [rows, width] (its first `heads` heads of d) attending, as position at[2r + 1] of slot
+// at[2r], to positions 0..=that of the slot's cache in pool [slots, 2, kv_heads, capacity, d] (keys, then values);
+// out [rows, heads, d]. The rows of one sequence's block see the block's own keys up to themselves (written first by
+// write_kv), so no mask is needed, and the rows of every sequence go in one launch. One block per (row, query head).
+// Decode is latency-bound, so every thread keeps many independent loads in flight: a thread per key for the scores
+// (its row read whole, unrolled), then blockDim / d groups of threads that each sum every G-th value row over all d
+// columns (coalesced), and a sum of the groups' partials. Dynamic shared memory: `longest` scores (the longest row's
+// length), the query row, G × d partials.
+template <typename T>
+__device__ void rows_attention(const T *qkv, const T *pool, const unsigned *at, T *out, int heads, int kv_heads, int d,
+                               int capacity, int width, int longest, float scale) {
   extern __shared__ float shared[];
   __shared__ float red[32];
   const int groups = blockDim.x / d;
-  float *scores = shared, *qs = shared + len, *partial = qs + d;
-  const int h = blockIdx.x, kvh = h / (heads / kv_heads);
-  const T *k = kv + (size_t)kvh * capacity * d;
-  const T *v = kv + ((size_t)kv_heads + kvh) * capacity * d;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = to_f(q[(size_t)h * d + i]) * scale;
+  float *scores = shared, *qs = shared + longest, *partial = qs + d;
+  const int row = blockIdx.x / heads, h = blockIdx.x % heads, kvh = h / (heads / kv_heads);
+  const unsigned slot = at[2 * row];
+  const int len = (int)at[2 * row + 1] + 1;
+  const T *q = qkv + (size_t)row * width + (size_t)h * d;
+  const T *k = pool + (((size_t)slot * 2 * kv_heads) + kvh) * capacity * d;
+  const T *v = pool + (((size_t)slot * 2 * kv_heads) + kv_heads + kvh) * capacity * d;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = to_f(q[i]) * scale;
   __syncthreads();
   float m = -INFINITY;
   for (int j = threadIdx.x; j < len; j += blockDim.x) {
@@ -102,7 +122,7 @@ __device__ void decode_attention(const T *q, const T *kv, T *out, int heads, int
   if (g == 0) {
     float acc = 0.0f;
     for (int p = 0; p < groups; ++p) acc += partial[p * d + i];
-    out[(size_t)h * d + i] = from_f<T>(acc / sum);
+    out[((size_t)row * heads + h) * d + i] = from_f<T>(acc / sum);
   }
 }
 
@@ -166,9 +186,14 @@ __device__ void matvec(const T *w, const T *x, const T *g, const T *r, T *y, int
   extern "C" __global__ void matvec_add_##NAME(const T *w, const T *x, const T *r, T *y, int n, int k) {              \
     matvec<T, false, true>(w, x, nullptr, r, y, n, k, 0.0f);                                                          \
   }                                                                                                                   \
-  extern "C" __global__ void decode_attention_##NAME(const T *q, const T *kv, T *out, int heads, int kv_heads, int d, \
-                                                     int capacity, int len, float scale) {                            \
-    decode_attention<T>(q, kv, out, heads, kv_heads, d, capacity, len, scale);                                        \
+  extern "C" __global__ void write_kv_##NAME(const T *qkv, T *pool, const unsigned *at, int heads, int kv_heads, int d, \
+                                             int capacity, int width) {                                               \
+    write_kv<T>(qkv, pool, at, heads, kv_heads, d, capacity, width);                                                  \
+  }                                                                                                                   \
+  extern "C" __global__ void rows_attention_##NAME(const T *qkv, const T *pool, const unsigned *at, T *out, int heads, \
+                                                   int kv_heads, int d, int capacity, int width, int longest,         \
+                                                   float scale) {                                                     \
+    rows_attention<T>(qkv, pool, at, out, heads, kv_heads, d, capacity, width, longest, scale);                       \
   }
 
 FRSPEC_KERNELS(float, f32)

@@ -69,19 +69,27 @@ pub fn matvec_plus(x: &Tensor, w: &Tensor, r: &Tensor) -> Result<Tensor> {
     Ok(w.apply_op3_no_bwd(x, r, &MatvecWith(Fold::Residual))?)
 }
 
-/// The attention of one query row `q` `[1, heads · d]` over positions `0..len` of `kv`, a cache buffer
-/// `[2, kv_heads, capacity, d]` (keys, then values): `[1, heads · d]`. One launch where scores, scale, softmax and
-/// the weighted sum took four.
-pub fn decode_attention(q: &Tensor, kv: &Tensor, len: usize) -> Result<Tensor> {
-    let (_, kv_heads, capacity, d) = kv.dims4()?;
-    let heads = q.elem_count() / d;
-    Ok(q.apply_op2_no_bwd(kv, &DecodeAttention { heads, kv_heads, d, capacity, len })?)
+/// Write the keys and values of the rows of `qkv` `[rows, width]` (after `heads` query heads: `kv_heads` keys, then
+/// as many values, each of `pool`'s head dimension) into `pool` `[slots, 2, kv_heads, capacity, d]`, row r at slot
+/// `at[r][0]`, position `at[r][1]` (`at` `[rows, 2]`, u32). One launch for every row of every sequence of a forward,
+/// with no copy of the rows first.
+pub fn write_kv(pool: &Tensor, qkv: &Tensor, at: &Tensor, heads: usize) -> Result<()> {
+    Ok(pool.inplace_op3(qkv, at, &WriteKv { heads })?)
 }
 
-/// Whether `decode_attention` takes `len` positions of head dimension `d`: its scores live in 48 KiB of shared
-/// memory on a GPU (with the query row and 1,024 partial sums), and past a few thousand positions one block per head
-/// no longer keeps up.
-pub fn decode_attention_fits(len: usize, d: usize) -> bool {
+/// The attention of every query row of `qkv` `[rows, width]` (its first `heads` heads) at its own place `at[r]`
+/// (slot, position) over positions `0..=position` of that slot of `pool` `[slots, 2, kv_heads, capacity, d]`:
+/// `[rows, heads · d]`. Rows of one sequence's block see the block's own keys up to themselves (written first by
+/// `write_kv`), so no mask is needed; rows of several sequences go in one launch where scores, scale, softmax and
+/// the weighted sum took four launches a sequence. `longest` bounds every row's position + 1.
+pub fn rows_attention(qkv: &Tensor, pool: &Tensor, at: &Tensor, heads: usize, longest: usize) -> Result<Tensor> {
+    Ok(qkv.apply_op3_no_bwd(pool, at, &RowsAttention { heads, longest })?)
+}
+
+/// Whether `rows_attention` takes rows attending over up to `len` positions of head dimension `d`: its scores live in
+/// 48 KiB of shared memory on a GPU (with the query row and 1,024 partial sums), and past a few thousand positions
+/// one block per head no longer keeps up.
+pub fn rows_attention_fits(len: usize, d: usize) -> bool {
     len <= 8192 && d <= 256
 }
 
@@ -104,12 +112,34 @@ enum Fold {
 
 struct MatvecWith(Fold);
 
-struct DecodeAttention {
+struct WriteKv {
     heads: usize,
-    kv_heads: usize,
-    d: usize,
-    capacity: usize,
-    len: usize,
+}
+
+struct RowsAttention {
+    heads: usize,
+    longest: usize,
+}
+
+/// A pool's dimensions `[slots, 2, kv_heads, capacity, d]` as (kv_heads, capacity, d).
+fn pool_dims(l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    match *l.dims() {
+        [_, 2, kv_heads, capacity, d] => Ok((kv_heads, capacity, d)),
+        ref other => candle_core::bail!("key/value pool must be [slots, 2, kv_heads, capacity, d], not {other:?}"),
+    }
+}
+
+/// The (slot, position) pairs of `at` `[rows, 2]`, each checked to lie inside the pool of layout `pool` and below
+/// `end` (what the GPU kernels take on trust: they index without bounds checks).
+fn places(s: &CpuStorage, l: &Layout, pool: &Layout, end: usize, op: &str) -> candle_core::Result<Vec<(usize, usize)>> {
+    let (o, e) = span(l, op)?;
+    let CpuStorage::U32(at) = s else { candle_core::bail!("{op}: places are u32") };
+    let (slots, capacity) = (pool.dims()[0], pool_dims(pool)?.1);
+    let places: Vec<(usize, usize)> = at[o..e].chunks_exact(2).map(|p| (p[0] as usize, p[1] as usize)).collect();
+    if let Some((slot, position)) = places.iter().find(|&&(slot, position)| slot >= slots || position >= capacity.min(end)) {
+        candle_core::bail!("{op}: a row at slot {slot}, position {position} lies outside {slots} slots of {} positions", capacity.min(end));
+    }
+    Ok(places)
 }
 
 /// The contiguous elements a layout covers, or an error naming the op.
@@ -262,51 +292,104 @@ impl MatvecWith {
     }
 }
 
-impl CustomOp2 for DecodeAttention {
+impl InplaceOp3 for WriteKv {
     fn name(&self) -> &'static str {
-        "decode-attention"
+        "write-kv"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<()> {
         let ((o1, e1), (o2, e2)) = (span(l1, self.name())?, span(l2, self.name())?);
-        let out = match (s1, s2) {
-            (CpuStorage::F32(q), CpuStorage::F32(kv)) => CpuStorage::F32(self.attend(&q[o1..e1], &kv[o2..e2])),
-            (CpuStorage::BF16(q), CpuStorage::BF16(kv)) => CpuStorage::BF16(self.attend(&q[o1..e1], &kv[o2..e2])),
-            (CpuStorage::F16(q), CpuStorage::F16(kv)) => CpuStorage::F16(self.attend(&q[o1..e1], &kv[o2..e2])),
-            _ => candle_core::bail!("decode-attention: f32, bf16 or f16 operands of one dtype"),
-        };
-        Ok((out, Shape::from((1, self.heads * self.d))))
+        let (kv_heads, capacity, d) = pool_dims(l1)?;
+        let (width, places) = (l2.dims()[1], places(s3, l3, l1, usize::MAX, self.name())?);
+        match (s1, s2) {
+            (CpuStorage::F32(pool), CpuStorage::F32(qkv)) => self.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, kv_heads, capacity, d),
+            (CpuStorage::BF16(pool), CpuStorage::BF16(qkv)) => self.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, kv_heads, capacity, d),
+            (CpuStorage::F16(pool), CpuStorage::F16(qkv)) => self.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, kv_heads, capacity, d),
+            _ => candle_core::bail!("write-kv: f32, bf16 or f16 operands of one dtype"),
+        }
+        Ok(())
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s1: &candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda::decode_attention(self, s1, l1, s2, l2)
+    fn cuda_fwd(&self, s1: &mut candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout, s3: &candle_core::CudaStorage, l3: &Layout) -> candle_core::Result<()> {
+        cuda::write_kv(self, s1, l1, s2, l2, s3, l3)
     }
 }
 
-impl DecodeAttention {
-    fn attend<T: WithDType>(&self, q: &[T], kv: &[T]) -> Vec<T> {
+impl WriteKv {
+    #[allow(clippy::too_many_arguments)]
+    fn write<T: WithDType>(&self, pool: &mut [T], qkv: &[T], width: usize, places: &[(usize, usize)], kv_heads: usize, capacity: usize, d: usize) {
+        for (row, &(slot, position)) in qkv.chunks_exact(width).zip(places) {
+            for plane_head in 0..2 * kv_heads {
+                let at = ((slot * 2 * kv_heads + plane_head) * capacity + position) * d;
+                pool[at..at + d].copy_from_slice(&row[(self.heads + plane_head) * d..][..d]);
+            }
+        }
+    }
+}
+
+impl CustomOp3 for RowsAttention {
+    fn name(&self) -> &'static str {
+        "rows-attention"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let ((o1, e1), (o2, e2)) = (span(l1, self.name())?, span(l2, self.name())?);
+        let (kv_heads, capacity, d) = pool_dims(l2)?;
+        let (rows, width, places) = (l1.dims()[0], l1.dims()[1], places(s3, l3, l2, self.longest, self.name())?);
+        let geometry = Attending { heads: self.heads, kv_heads, capacity, d };
+        let out = match (s1, s2) {
+            (CpuStorage::F32(qkv), CpuStorage::F32(pool)) => CpuStorage::F32(geometry.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
+            (CpuStorage::BF16(qkv), CpuStorage::BF16(pool)) => CpuStorage::BF16(geometry.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
+            (CpuStorage::F16(qkv), CpuStorage::F16(pool)) => CpuStorage::F16(geometry.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
+            _ => candle_core::bail!("rows-attention: f32, bf16 or f16 operands of one dtype"),
+        };
+        Ok((out, Shape::from((rows, self.heads * d))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout, s3: &candle_core::CudaStorage, l3: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::rows_attention(self, s1, l1, s2, l2, s3, l3)
+    }
+}
+
+/// The shapes `rows_attention`'s CPU twin works with.
+struct Attending {
+    heads: usize,
+    kv_heads: usize,
+    capacity: usize,
+    d: usize,
+}
+
+impl Attending {
+    /// Each row's heads in turn, rows spread over the CPU's threads (a prompt's rows are many).
+    fn attend<T: WithDType>(&self, qkv: &[T], pool: &[T], width: usize, places: &[(usize, usize)]) -> Vec<T> {
+        use rayon::prelude::*;
         let (d, group) = (self.d, self.heads / self.kv_heads);
         let scale = 1.0 / (d as f32).sqrt();
-        let at = |plane: usize, head: usize, j: usize| &kv[((plane * self.kv_heads + head) * self.capacity + j) * d..][..d];
-        let mut out = Vec::with_capacity(self.heads * d);
-        let mut scores = vec![0f32; self.len];
-        for (h, qh) in q.chunks_exact(d).enumerate() {
-            for (j, s) in scores.iter_mut().enumerate() {
-                *s = qh.iter().zip(at(0, h / group, j)).map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32).sum::<f32>() * scale;
+        let mut out = vec![T::zero(); places.len() * self.heads * d];
+        out.par_chunks_mut(self.heads * d).zip(qkv.par_chunks(width)).zip(places).for_each(|((out, row), &(slot, position))| {
+            let at = |plane: usize, head: usize, j: usize| &pool[(((slot * 2 + plane) * self.kv_heads + head) * self.capacity + j) * d..][..d];
+            let mut scores = vec![0f32; position + 1];
+            for (h, (qh, out)) in row[..self.heads * d].chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+                for (j, s) in scores.iter_mut().enumerate() {
+                    *s = qh.iter().zip(at(0, h / group, j)).map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32).sum::<f32>() * scale;
+                }
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                scores.iter_mut().for_each(|s| *s = (*s - max).exp());
+                let inv = 1.0 / scores.iter().sum::<f32>();
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = T::from_f64((scores.iter().enumerate().map(|(j, p)| p * at(1, h / group, j)[i].to_f64() as f32).sum::<f32>() * inv) as f64);
+                }
             }
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            scores.iter_mut().for_each(|s| *s = (*s - max).exp());
-            let inv = 1.0 / scores.iter().sum::<f32>();
-            out.extend((0..d).map(|i| T::from_f64((scores.iter().enumerate().map(|(j, p)| p * at(1, h / group, j)[i].to_f64() as f32).sum::<f32>() * inv) as f64)));
-        }
+        });
         out
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{span, DecodeAttention, Fold, RotateQk};
+    use super::{pool_dims, span, Fold, RotateQk, RowsAttention, WriteKv};
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::backend::BackendStorage;
@@ -429,25 +512,48 @@ mod cuda {
         Ok((out, Shape::from((1, l1.dims()[0]))))
     }
 
-    pub(super) fn decode_attention(op: &DecodeAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        fn typed<T: CudaDType + DeviceRepr>(op: &DecodeAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<CudaStorage> {
-            let ((o1, e1), (o2, e2)) = (span(l1, "decode-attention")?, span(l2, "decode-attention")?);
+    pub(super) fn write_kv(op: &WriteKv, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<()> {
+        fn typed<T: CudaDType + DeviceRepr>(op: &WriteKv, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<()> {
+            let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, "write-kv")?, span(l2, "write-kv")?, span(l3, "write-kv")?);
+            let (kv_heads, capacity, d) = pool_dims(l1)?;
+            let (rows, width) = (l2.dims()[0], l2.dims()[1]);
+            let (dev, dtype) = (s1.device.clone(), s1.dtype());
+            let (qkv, at) = (s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<u32>()?.slice(o3..e3));
+            let mut pool = s1.as_cuda_slice_mut::<T>()?.slice_mut(o1..e1);
+            // A block per (row, key or value head), a thread per element of the head.
+            launch!(dev, "write_kv", dtype, grid(rows * 2 * kv_heads, d.next_multiple_of(32).min(1024), 0), |b| {
+                b.arg(&qkv);
+                b.arg(&mut pool);
+                b.arg(&at);
+                builder_arg!(b, op.heads as i32, kv_heads as i32, d as i32, capacity as i32, width as i32);
+            });
+            Ok(())
+        }
+        by_dtype!(s1.dtype(), "write-kv", typed(op, s1, l1, s2, l2, s3, l3))
+    }
+
+    pub(super) fn rows_attention(op: &RowsAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn typed<T: CudaDType + DeviceRepr>(op: &RowsAttention, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<CudaStorage> {
+            let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, "rows-attention")?, span(l2, "rows-attention")?, span(l3, "rows-attention")?);
+            let (kv_heads, capacity, d) = pool_dims(l2)?;
+            let (rows, width) = (l1.dims()[0], l1.dims()[1]);
             let dev = &s1.device;
-            let (q, kv) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2));
+            let (qkv, pool, at) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<u32>()?.slice(o3..e3));
             // SAFETY: the kernel writes every element.
-            let out = unsafe { dev.alloc::<T>(op.heads * op.d)? };
-            let scale = 1.0f32 / (op.d as f32).sqrt();
-            // Shared memory holds the len scores, the query row and a partial row per group of d threads.
-            let threads = 1024 / op.d * op.d;
-            launch!(dev, "decode_attention", s1.dtype(), grid(op.heads, threads, 4 * (op.len + op.d + threads)), |b| {
-                b.arg(&q);
-                b.arg(&kv);
+            let out = unsafe { dev.alloc::<T>(rows * op.heads * d)? };
+            let scale = 1.0f32 / (d as f32).sqrt();
+            // Shared memory holds the longest row's scores, the query row and a partial row per group of d threads.
+            let threads = 1024 / d * d;
+            launch!(dev, "rows_attention", s1.dtype(), grid(rows * op.heads, threads, 4 * (op.longest + d + threads)), |b| {
+                b.arg(&qkv);
+                b.arg(&pool);
+                b.arg(&at);
                 b.arg(&out);
-                builder_arg!(b, op.heads as i32, op.kv_heads as i32, op.d as i32, op.capacity as i32, op.len as i32, scale);
+                builder_arg!(b, op.heads as i32, kv_heads as i32, d as i32, capacity as i32, width as i32, op.longest as i32, scale);
             });
             Ok(T::wrap_cuda_slice(out, dev.clone()))
         }
-        let out = by_dtype!(s1.dtype(), "decode-attention", typed(op, s1, l1, s2, l2))?;
-        Ok((out, Shape::from((1, op.heads * op.d))))
+        let out = by_dtype!(s1.dtype(), "rows-attention", typed(op, s1, l1, s2, l2, s3, l3))?;
+        Ok((out, Shape::from((l1.dims()[0], op.heads * pool_dims(l2)?.2))))
     }
 }

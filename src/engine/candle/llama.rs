@@ -2,11 +2,11 @@
 //! and training). Built from a CPU-engine model (weights dequantized) or with random weights of any shape (speed does
 //! not depend on the values, so a Llama-3.1-8B run needs no download).
 
-use super::kernels::{decode_attention, decode_attention_fits, normed_product, product, product_plus, rotate_qk, silu_mul};
+use super::kernels::{normed_product, product, product_plus, rotate_qk, rows_attention, rows_attention_fits, silu_mul, write_kv};
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The dimensions users ask about by name (from the models' config.json files), as a model config.
 pub fn named_shape(name: &str) -> Result<Config> {
@@ -250,44 +250,64 @@ impl Layer {
         })
     }
 
-    /// `x` `[n, hidden]` at positions `start..`, writing its keys and values into `cache` there. `attn_input`
-    /// replaces the (normed) stream as the attention's input (EAGLE-3).
-    pub fn forward(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, cache: &mut LayerCache, start: usize) -> Result<Tensor> {
-        let n = x.dim(0)?;
-        self.forward_segments(s, rope, x, attn_input, &mut [Segment { cache, start, rows: n }])
+    /// `x` `[n, hidden]` continuing `cache` (a one-layer cache, as a draft's), its keys and values written there.
+    /// `attn_input` replaces the (normed) stream as the attention's input (EAGLE-3).
+    pub fn forward(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, cache: &mut Cache) -> Result<Tensor> {
+        Cache::extend(&mut [cache], &[x.dim(0)?], |buffers, placed| self.forward_placed(s, rope, x, attn_input, &buffers[0], placed))
     }
 
-    /// `forward` for the rows of several sequences one after another: the projections run once over every row
-    /// (one pass over the weights), attention per sequence over its own cache. `rope` holds every row's position.
-    pub fn forward_segments(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, segments: &mut [Segment]) -> Result<Tensor> {
+    /// `forward` for the rows of several sequences one after another, each at its place in `kv`, this layer's buffer
+    /// of their pool: the projections run once over every row (one pass over the weights), one launch writes every
+    /// row's keys and values, and one attends every row over its own sequence's cache. `rope` holds every row's
+    /// position.
+    pub fn forward_placed(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, kv: &Tensor, placed: &Placed) -> Result<Tensor> {
         let qkv = match (attn_input, &self.attn_norm) {
             (Some(a), _) => self.qkv.forward(a)?,
             (None, Some(g)) => self.qkv.forward_normed(x, g, s.rms_eps)?,
             (None, None) => self.qkv.forward(x)?,
         };
-        let (d, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
-        rotate_qk(&qkv, &rope.cos, &rope.sin, heads + kv_heads, d, rope.style)?;
-        let mut attended = Vec::with_capacity(segments.len());
-        let mut row = 0;
-        for seg in segments.iter_mut() {
-            let (n, qkv) = (seg.rows, qkv.narrow(0, row, seg.rows)?);
-            // A row's keys and values lie side by side: the cache's `[2, kv_heads, n, d]` block (a view when n = 1).
-            seg.cache.write(&qkv.narrow(1, heads * d, 2 * kv_heads * d)?.reshape((n, 2, kv_heads, d))?.permute((1, 2, 0, 3))?, seg.start)?;
-            attended.push(seg.cache.attend(&qkv.narrow(1, 0, heads * d)?, heads, seg.start)?);
-            row += n;
-        }
-        let attended = if attended.len() == 1 { attended.pop().expect("one segment") } else { Tensor::cat(&attended, 0)? };
+        rotate_qk(&qkv, &rope.cos, &rope.sin, s.heads + s.kv_heads, s.head_dim, rope.style)?;
+        write_kv(kv, &qkv, &placed.at, s.heads)?;
+        let attended = placed.attend(&qkv, kv, s.heads, s.head_dim)?;
         let x = self.o.forward_plus(&attended, x)?;
         let gate_up = self.gate_up.forward_normed(&x, &self.ffn_norm, s.rms_eps)?;
         self.down.forward_plus(&silu_mul(&gate_up)?, &x)
     }
 }
 
-/// Consecutive rows of a batch that continue one sequence: the layer cache they extend and its length before.
-pub struct Segment<'c> {
-    pub cache: &'c mut LayerCache,
-    pub start: usize,
-    pub rows: usize,
+/// Where the rows of one forward go in a pool: each sequence's slot, its length before the forward and its rows, in
+/// order; the same per row on the device for the kernels (`at`, `[rows, 2]` u32: slot, position); and how they
+/// attend.
+pub struct Placed {
+    segments: Vec<Segment>,
+    at: Tensor,
+    longest: usize,
+    fused: bool,
+}
+
+/// Consecutive rows of a forward that continue one sequence: its slot, its length before them, their count.
+struct Segment {
+    slot: usize,
+    start: usize,
+    rows: usize,
+}
+
+impl Placed {
+    /// The attention of every query row of `qkv` over its own sequence's cache in `kv`: `[rows, heads · d]`.
+    fn attend(&self, qkv: &Tensor, kv: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
+        if self.fused {
+            return rows_attention(qkv, kv, &self.at, heads, self.longest);
+        }
+        let mut attended = Vec::with_capacity(self.segments.len());
+        let mut row = 0;
+        for seg in &self.segments {
+            let queries = qkv.narrow(0, row, seg.rows)?.narrow(1, 0, heads * d)?.reshape((seg.rows, heads, d))?.transpose(0, 1)?.contiguous()?;
+            let cache = kv.get(seg.slot)?.narrow(2, 0, seg.start + seg.rows)?;
+            attended.push(attention(&queries, &cache.get(0)?, &cache.get(1)?, seg.start)?);
+            row += seg.rows;
+        }
+        Ok(Tensor::cat(&attended, 0)?)
+    }
 }
 
 /// Rows along one dimension of a buffer allocated ahead and written in place. When a write would run past the end,
@@ -330,59 +350,100 @@ impl Rows {
     }
 }
 
-/// How a one-token step attends to the cache: frspec's fused kernel, or candle's products and softmax as blocks of
-/// tokens do (kept so that `bench decode` can compare the two in one run).
+/// How a forward attends: frspec's fused kernel (every row of every sequence in one launch), or candle's products
+/// and softmax a sequence at a time (kept so that `bench decode` can compare the two in one run).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum OneTokenAttention {
+pub enum Attention {
     #[default]
     Fused,
     Products,
 }
 
-/// One layer's keys and values, `[2, kv_heads, capacity, head_dim]` (keys, then values).
-pub struct LayerCache {
-    kv: Rows,
-    one_token: OneTokenAttention,
+/// The keys and values of every sequence one model (or draft) decodes: per layer one buffer
+/// `[slots, 2, kv_heads, capacity, head_dim]` (keys, then values), each sequence's cache one slot of it. One buffer a
+/// layer lets one launch write, and one attend over, the caches of a whole batch of sequences of different lengths.
+/// Slots and capacity double when a cache needs more (one copy); positions past a cache's length are stale and
+/// never read, so rolling back costs nothing, and a cache's slot goes back to the pool when the cache is dropped.
+pub struct KvPool {
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+    state: Mutex<PoolState>,
 }
 
-impl LayerCache {
-    fn new(one_token: OneTokenAttention) -> LayerCache {
-        LayerCache { kv: Rows::along(2), one_token }
-    }
-
-    /// Write keys and values `[2, kv_heads, n, d]` at positions `start..`.
-    fn write(&mut self, kv: &Tensor, start: usize) -> Result<()> {
-        self.kv.write(start, kv)
-    }
-
-    /// The attention of query rows `[n, heads · d]` at positions `start..start + n` over the cache up to them:
-    /// `[n, heads · d]`.
-    fn attend(&self, queries: &Tensor, heads: usize, start: usize) -> Result<Tensor> {
-        let (n, width) = queries.dims2()?;
-        let (d, len) = (width / heads, start + n);
-        if n == 1 && self.one_token == OneTokenAttention::Fused && decode_attention_fits(len, d) {
-            return decode_attention(queries, self.kv.buffer()?, len);
-        }
-        let kv = self.kv.view(0, len)?;
-        attention(&queries.reshape((n, heads, d))?.transpose(0, 1)?.contiguous()?, &kv.get(0)?, &kv.get(1)?, start)
-    }
-}
-
-/// The keys and values of every layer, and how many positions they hold.
 #[derive(Default)]
+struct PoolState {
+    /// Per layer; empty until the first forward.
+    buffers: Vec<Tensor>,
+    slots: usize,
+    capacity: usize,
+    /// Slots handed out so far, and those given back.
+    handed_out: usize,
+    free: Vec<usize>,
+}
+
+impl KvPool {
+    pub fn new(layers: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Arc<KvPool> {
+        Arc::new(KvPool { layers, kv_heads, head_dim, dtype, device: device.clone(), state: Mutex::default() })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An empty cache in a slot of its own.
+    pub fn cache(self: &Arc<Self>) -> Cache {
+        let mut state = self.state();
+        let slot = state.free.pop().unwrap_or_else(|| {
+            state.handed_out += 1;
+            state.handed_out - 1
+        });
+        Cache { pool: self.clone(), slot, len: 0, attention: Attention::default() }
+    }
+
+    /// Grow the buffers to hold `slots` slots of `positions` positions.
+    fn reserve(&self, state: &mut PoolState, slots: usize, positions: usize) -> Result<()> {
+        if slots <= state.slots && positions <= state.capacity {
+            return Ok(());
+        }
+        let grown_slots = if slots > state.slots { slots.next_power_of_two() } else { state.slots };
+        let grown_capacity = if positions > state.capacity { positions.next_power_of_two().max(64) } else { state.capacity };
+        let zeros = |slots: usize, capacity: usize| Tensor::zeros((slots, 2, self.kv_heads, capacity, self.head_dim), self.dtype, &self.device);
+        state.buffers = if state.buffers.is_empty() {
+            (0..self.layers).map(|_| zeros(grown_slots, grown_capacity)).collect::<candle_core::Result<_>>()?
+        } else {
+            let grow = |old: &Tensor| -> candle_core::Result<Tensor> {
+                let mut b = old.clone();
+                if grown_capacity > state.capacity {
+                    b = Tensor::cat(&[&b, &zeros(state.slots, grown_capacity - state.capacity)?], 3)?;
+                }
+                if grown_slots > state.slots {
+                    b = Tensor::cat(&[&b, &zeros(grown_slots - state.slots, grown_capacity)?], 0)?;
+                }
+                Ok(b)
+            };
+            state.buffers.iter().map(grow).collect::<candle_core::Result<_>>()?
+        };
+        (state.slots, state.capacity) = (grown_slots, grown_capacity);
+        Ok(())
+    }
+}
+
+/// One sequence's keys and values: a slot of its model's pool, and how many positions it holds.
 pub struct Cache {
-    layers: Vec<LayerCache>,
+    pool: Arc<KvPool>,
+    slot: usize,
     len: usize,
+    attention: Attention,
 }
 
 impl Cache {
-    pub fn new(layers: usize) -> Cache {
-        Cache::attending(layers, OneTokenAttention::default())
-    }
-
-    /// A cache whose one-token steps attend as `one_token` says.
-    pub fn attending(layers: usize, one_token: OneTokenAttention) -> Cache {
-        Cache { layers: (0..layers).map(|_| LayerCache::new(one_token)).collect(), len: 0 }
+    /// This cache, attending as `attention` says.
+    pub fn attending(mut self, attention: Attention) -> Cache {
+        self.attention = attention;
+        self
     }
 
     pub fn len(&self) -> usize {
@@ -393,20 +454,35 @@ impl Cache {
         self.len == 0
     }
 
-    /// Layer `i`'s keys and values, for a caller running layers itself (a draft); `advance` then counts them.
-    pub fn layer(&mut self, i: usize) -> &mut LayerCache {
-        &mut self.layers[i]
-    }
-
-    /// Count `n` positions appended by a caller running the layers itself.
-    pub fn advance(&mut self, n: usize) {
-        self.len += n;
-    }
-
     /// Forget positions `len..` (rejected drafts): the next forward writes over them.
-    pub fn truncate(&mut self, len: usize) -> Result<()> {
+    pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
-        Ok(())
+    }
+
+    /// Run `forward` with room for `rows[i]` more positions in `caches[i]` (all from one pool): it gets every layer's
+    /// buffer and the rows' places, and each cache then counts its rows.
+    pub fn extend<R>(caches: &mut [&mut Cache], rows: &[usize], forward: impl FnOnce(&[Tensor], &Placed) -> Result<R>) -> Result<R> {
+        let pool = caches.first().context("a forward needs at least one sequence")?.pool.clone();
+        if caches.iter().any(|c| !Arc::ptr_eq(&c.pool, &pool)) {
+            bail!("the caches of one forward belong to one model");
+        }
+        let segments: Vec<Segment> = caches.iter().zip(rows).map(|(c, &rows)| Segment { slot: c.slot, start: c.len, rows }).collect();
+        let longest = segments.iter().map(|s| s.start + s.rows).max().unwrap_or(0);
+        let at: Vec<u32> = segments.iter().flat_map(|s| (s.start..s.start + s.rows).flat_map(move |p| [s.slot as u32, p as u32])).collect();
+        let fused = caches.iter().all(|c| c.attention == Attention::Fused) && rows_attention_fits(longest, pool.head_dim);
+        let mut state = pool.state();
+        pool.reserve(&mut state, segments.iter().map(|s| s.slot + 1).max().unwrap_or(0), longest)?;
+        let placed = Placed { at: Tensor::from_vec(at, (rows.iter().sum::<usize>(), 2), &pool.device)?, segments, longest, fused };
+        let out = forward(&state.buffers, &placed)?;
+        drop(state);
+        caches.iter_mut().zip(rows).for_each(|(c, &n)| c.len += n);
+        Ok(out)
+    }
+}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        self.pool.state().free.push(self.slot);
     }
 }
 
@@ -419,6 +495,7 @@ pub struct Llama {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Tensor,
+    pool: Arc<KvPool>,
     pub dtype: DType,
     pub device: Device,
 }
@@ -436,6 +513,7 @@ impl Llama {
             layers: model.layers().iter().map(|l| Layer::from_engine(l, device, dtype)).collect::<Result<_>>()?,
             norm: norm_weights(model.norm(), device, dtype)?,
             lm_head,
+            pool: KvPool::new(model.config.layers, model.config.kv_heads, model.geometry.head_dim, dtype, device),
             dtype,
             device: device.clone(),
         })
@@ -452,14 +530,16 @@ impl Llama {
             layers: (0..shape.layers).map(|_| Layer::random(shape, &r, true)).collect::<Result<_>>()?,
             norm: r.ones(shape.hidden)?,
             lm_head: r.matrix(shape.vocab, shape.hidden)?,
+            pool: KvPool::new(shape.layers, shape.kv_heads, shape.head_dim, dtype, device),
             config: shape.clone(),
             dtype,
             device: device.clone(),
         })
     }
 
+    /// An empty cache in this model's pool.
     pub fn new_cache(&self) -> Cache {
-        Cache::new(self.layers.len())
+        self.pool.cache()
     }
 
     /// Embedding rows of `tokens`, `[n, hidden]`.
@@ -481,8 +561,8 @@ impl Llama {
     }
 
     /// `forward_capturing` for several sequences in one pass over the weights: `tokens` holds `rows[i]` tokens
-    /// continuing `caches[i]`, in order; attention runs per sequence over its own cache. Returns every row's hidden
-    /// state and captured streams in the same order.
+    /// continuing `caches[i]` (this model's), in order; each row attends over its own sequence's cache. Returns every
+    /// row's hidden state and captured streams in the same order.
     pub fn forward_sequences(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], capture: &[usize]) -> Result<(Tensor, Vec<Tensor>)> {
         let c = &self.config;
         if tokens.is_empty() || rows.len() != caches.len() || rows.iter().sum::<usize>() != tokens.len() {
@@ -498,14 +578,15 @@ impl Llama {
         let runs: Vec<(usize, usize)> = caches.iter().zip(rows).map(|(k, &n)| (k.len, n)).collect();
         let rope = self.rope.runs(&runs, &self.device)?;
         let mut captured = vec![None; capture.len()];
-        for (i, layer) in self.layers.iter().enumerate() {
-            for (slot, _) in capture.iter().enumerate().filter(|(_, &l)| l == i) {
-                captured[slot] = Some(x.clone());
+        Cache::extend(caches, rows, |buffers, placed| {
+            for (i, (layer, kv)) in self.layers.iter().zip(buffers).enumerate() {
+                for (slot, _) in capture.iter().enumerate().filter(|(_, &l)| l == i) {
+                    captured[slot] = Some(x.clone());
+                }
+                x = layer.forward_placed(&self.geometry, &rope, &x, None, kv, placed)?;
             }
-            let mut segments: Vec<Segment> = caches.iter_mut().zip(&runs).map(|(k, &(start, rows))| Segment { cache: &mut k.layers[i], start, rows }).collect();
-            x = layer.forward_segments(&self.geometry, &rope, &x, None, &mut segments)?;
-        }
-        caches.iter_mut().zip(rows).for_each(|(k, &n)| k.len += n);
+            Ok(())
+        })?;
         Ok((rms_norm(&x, &self.norm, c.rms_eps as f64)?, captured.into_iter().map(|t| t.expect("every captured layer exists")).collect()))
     }
 

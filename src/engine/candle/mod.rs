@@ -118,7 +118,8 @@ impl Positions for Cache {
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
-        Cache::truncate(self, len)
+        Cache::truncate(self, len);
+        Ok(())
     }
 }
 
