@@ -138,7 +138,6 @@ fn run(cli: Cli) -> Result<()> {
                 // 0: a quarter of the target's vocabulary, which is known once the target is loaded.
                 draft_vocab: draft_vocab.unwrap_or(0),
             };
-            let freq = freq.as_deref().map(frspec::vocab::freq_path).transpose()?;
             let options = frspec::train::TrainOptions {
                 target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, settings, teacher_from, init_from, freq, keep,
                 quiet,

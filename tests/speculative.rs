@@ -579,3 +579,73 @@ fn batched_sweeps_give_every_record_of_one_sequence_at_a_time_on_both_engines() 
         assert_eq!(greedy(&runs), greedy(&one), "candle engine, batch {batch}: T = 0 records");
     }
 }
+
+#[test]
+fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
+    // The loop feeds every slot's EAGLE draft in one forward of the head's layer, each at its own positions of its
+    // own cache (a slot of the head's pool): each draft's head input must be what it gets fed alone (EAGLE-1 and
+    // EAGLE-3, catching up on prompts of different lengths, then two drafted tokens), and greedy turns of three slots
+    // at once stay the target's own output.
+    use frspec::engine::candle::DeviceHead;
+    use frspec::speculative::decode::{speculative_turns, TurnJob, Turns};
+    use frspec::speculative::{Context, Feed};
+    struct Queue<'h> {
+        jobs: std::collections::VecDeque<TurnJob<'h, DeviceHead>>,
+        done: Vec<(usize, Vec<u32>)>,
+    }
+    impl<'h> Turns<'h, DeviceHead> for Queue<'h> {
+        fn next(&mut self) -> anyhow::Result<Option<TurnJob<'h, DeviceHead>>> {
+            Ok(self.jobs.pop_front())
+        }
+        fn finished(&mut self, id: usize, tokens: Vec<u32>, _: TurnRecord) -> anyhow::Result<()> {
+            self.done.push((id, tokens));
+            Ok(())
+        }
+    }
+    let t = smollm2();
+    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let prompts = mt_bench_prompts(3);
+    let contexts: Vec<Vec<u32>> = prompts.iter().map(|p| [&p[..], &[42]].concat()).collect();
+    let rows = |t: candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (kind, head) in [(DraftKind::Eagle, frspec::spec::SMOLLM2_HEAD), (DraftKind::Eagle3, frspec::spec::SMOLLM2_EAGLE3_HEAD)] {
+        let weights = DraftWeights::from_engine(&frspec::engine::cpu::draft::load(&kind, Some(head), t, "smollm2").unwrap(), &llama).unwrap();
+        let mut drafts: Vec<_> = prompts.iter().map(|_| weights.instance(&llama)).collect();
+        let layers = drafts[0].target_layers();
+        let features: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut f = llama.new_features(&layers);
+                TargetModel::forward(&llama, p, &mut llama.new_cache(), &[], Some(&mut f), &mut Vec::new()).unwrap();
+                f
+            })
+            .collect();
+        let feeds: Vec<Vec<Feed<_>>> = vec![
+            contexts.iter().zip(&features).map(|(c, f)| Feed::CatchUp(Context { tokens: c, features: f })).collect(),
+            vec![Feed::Extend(7); 3],
+            vec![Feed::Extend(8); 3],
+        ];
+        let alone: Vec<Vec<Vec<f32>>> = drafts.iter_mut().enumerate().map(|(i, d)| feeds.iter().map(|step| rows(step[i].to(d.as_mut()).unwrap())).collect()).collect();
+        drafts.iter_mut().for_each(|d| d.reset());
+        let mut slots: Vec<&mut dyn Draft<Llama>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
+        for (step, feeds) in feeds.iter().enumerate() {
+            let mut together = Vec::new();
+            llama.feed_drafts(&mut slots, &[0, 1, 2], feeds, &mut together).unwrap();
+            for (i, row) in together.into_iter().enumerate() {
+                let (got, want) = (rows(row), &alone[i][step]);
+                let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                assert!(got.len() == want.len() && diff < 1e-4, "{kind}: draft {i} at position {step} differs by {diff}");
+            }
+        }
+
+        let head = DraftHead::new(slots[0].lm_head(), None, HeadMode::Slice).unwrap();
+        let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 48 };
+        let jobs = prompts.iter().enumerate().map(|(id, p)| TurnJob { id, prompt: p.clone(), head: &head, rng: Box::new(ChaCha20Rng::seed_from_u64(0)) }).collect();
+        let mut queue = Queue { jobs, done: Vec::new() };
+        speculative_turns(&llama, &t.tokenizer.stop_ids, &mut slots, &cfg, &mut queue).unwrap();
+        queue.done.sort();
+        for ((id, got), prompt) in queue.done.iter().zip(&prompts) {
+            let want = generate(&t.model, &t.tokenizer.stop_ids, prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
+            assert_eq!(got, &want, "{kind}: turn {id} of three side by side");
+        }
+    }
+}

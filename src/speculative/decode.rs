@@ -2,7 +2,7 @@
 //! (rejection sampling), emit the recovered or bonus token, roll both caches back to the accepted prefix.
 //! Counters follow vLLM's definitions (../shared/reference/NOTES.md) so numbers compare with the literature.
 
-use super::draft::{choose_many, Choice, Context, Draft, DraftHead, DraftMode, Proposal};
+use super::draft::{choose_many, Choice, Context, Draft, DraftHead, DraftMode, Feed, Proposal};
 use super::generate::StopReason;
 use super::{Block, HeadRows, Positions, Row, TargetModel};
 use crate::sampling::{draw, Sampling};
@@ -257,7 +257,7 @@ where
             slot.n = slot.tokens.len();
             slot.proposal.clear();
         }
-        side_by_side.draft(&mut slots, drafts, cfg)?;
+        side_by_side.draft(target, &mut slots, drafts, cfg)?;
         for slot in slots.iter_mut().filter(|s| s.turn.is_some() && !s.prefilling()) {
             slot.block.clear();
             slot.block.push(slot.tokens[slot.n - 1]);
@@ -303,6 +303,8 @@ where
 /// tokens from one product of it (the head is read once for all of them, not once a slot: on a GPU at batch 64, the
 /// LM head of Llama-3 is 1 GB a read). The buffers live from step to step.
 struct SideBySide<T: TargetModel> {
+    /// The slots fed at this position, and their head inputs.
+    fed: Vec<usize>,
     hidden: Vec<Option<Row<T>>>,
     grouped: Vec<bool>,
     scratch: <T::Head as HeadRows>::Scratch,
@@ -311,30 +313,38 @@ struct SideBySide<T: TargetModel> {
 
 impl<T: TargetModel> SideBySide<T> {
     fn new(slots: usize) -> Self {
-        SideBySide { hidden: (0..slots).map(|_| None).collect(), grouped: vec![false; slots], scratch: Default::default(), indices: Vec::new() }
+        SideBySide { fed: Vec::with_capacity(slots), hidden: (0..slots).map(|_| None).collect(), grouped: vec![false; slots], scratch: Default::default(), indices: Vec::new() }
     }
 
-    /// Every drafting slot proposes its `k` tokens. At each position every draft catches up (first position) or
-    /// extends by its last token on its own; then the slots sharing a head choose together (`choose_many`), groups
-    /// in slot order. A slot's draws come from its own stream in the order it makes them alone, so its proposal
-    /// does not depend on its neighbours where the head's products do not. A shared product's time is split
-    /// equally between the slots that share it.
-    fn draft<'h>(&mut self, slots: &mut [Slot<'h, T>], drafts: &mut [&mut dyn Draft<T>], cfg: &SpecConfig) -> Result<()> {
+    /// Every drafting slot proposes its `k` tokens. At each position the drafting slots' drafts catch up (first
+    /// position) or extend by their last token, fed together (`TargetModel::feed_drafts`: one forward for drafts on
+    /// the same weights where the engine can); then the slots sharing a head choose together (`choose_many`), groups
+    /// in slot order. A slot's draws come from its own stream in the order it makes them alone, so its proposal does
+    /// not depend on its neighbours where the engine's forwards and products do not. Time shared by several slots (a
+    /// feed, a head's product) is split equally between them.
+    fn draft<'h>(&mut self, target: &T, slots: &mut [Slot<'h, T>], drafts: &mut [&mut dyn Draft<T>], cfg: &SpecConfig) -> Result<()> {
         let drafting = |s: &Slot<T>, step: usize| s.turn.is_some() && !s.prefilling() && step < s.k;
         let positions = slots.iter().filter(|s| drafting(s, 0)).map(|s| s.k).max().unwrap_or(0);
         for step in 0..positions {
-            for ((slot, draft), hidden) in slots.iter_mut().zip(drafts.iter_mut()).zip(self.hidden.iter_mut()) {
-                *hidden = None;
-                if !drafting(slot, step) {
-                    continue;
-                }
-                let t = Instant::now();
-                *hidden = Some(if step == 0 {
-                    draft.catch_up(&Context { tokens: &slot.tokens, features: &slot.features })?
-                } else {
-                    draft.extend(slot.proposal.tokens[step - 1])?
-                });
-                slot.turn.as_mut().expect("drafting").rec.draft_secs += t.elapsed().as_secs_f64();
+            self.fed.clear();
+            self.fed.extend((0..slots.len()).filter(|&i| drafting(&slots[i], step)));
+            let feeds: Vec<Feed<T::Features>> = self
+                .fed
+                .iter()
+                .map(|&i| match step {
+                    0 => Feed::CatchUp(Context { tokens: &slots[i].tokens, features: &slots[i].features }),
+                    _ => Feed::Extend(slots[i].proposal.tokens[step - 1]),
+                })
+                .collect();
+            let t = Instant::now();
+            let mut rows = Vec::with_capacity(feeds.len());
+            target.feed_drafts(drafts, &self.fed, &feeds, &mut rows)?;
+            drop(feeds);
+            let share = t.elapsed().as_secs_f64() / self.fed.len() as f64;
+            self.hidden.iter_mut().for_each(|h| *h = None);
+            for (&i, row) in self.fed.iter().zip(rows) {
+                slots[i].turn.as_mut().expect("drafting").rec.draft_secs += share;
+                self.hidden[i] = Some(row);
             }
             for first in 0..slots.len() {
                 // A slot's row is taken once its group has chosen.

@@ -273,6 +273,39 @@ pub struct Context<'a, F> {
     pub features: &'a F,
 }
 
+impl<F> Clone for Context<'_, F> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<F> Copy for Context<'_, F> {}
+
+/// What a draft is fed at one drafting position: the sequence to catch up on (the first position of a step), or the
+/// token it proposed last.
+pub enum Feed<'a, F> {
+    CatchUp(Context<'a, F>),
+    Extend(u32),
+}
+
+impl<F> Clone for Feed<'_, F> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<F> Copy for Feed<'_, F> {}
+
+impl<F> Feed<'_, F> {
+    /// Feed `draft` alone; its head input.
+    pub fn to<T: TargetModel<Features = F>>(&self, draft: &mut dyn Draft<T>) -> Result<Row<T>> {
+        match self {
+            Feed::CatchUp(ctx) => draft.catch_up(ctx),
+            Feed::Extend(token) => draft.extend(*token),
+        }
+    }
+}
+
 /// A draft for targets of type `T`: it keeps its own cache, follows the sequence and proposes tokens.
 pub trait Draft<T: TargetModel> {
     fn describe(&self) -> String;
@@ -291,6 +324,10 @@ pub trait Draft<T: TargetModel> {
     /// Verification kept `accepted` of the proposals of a round that began with `before` tokens.
     fn rollback(&mut self, before: usize, accepted: usize) -> Result<()>;
     fn chooser(&mut self) -> &mut Chooser<T::Head>;
+    /// What `TargetModel::feed_drafts` needs to run this draft beside its siblings; None: it is fed alone.
+    fn state(&mut self) -> Option<&mut T::DraftState> {
+        None
+    }
 
     /// Propose `k` tokens after `ctx.tokens`: catch up, then choose and extend one token at a time.
     #[allow(clippy::too_many_arguments)]

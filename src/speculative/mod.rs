@@ -11,7 +11,7 @@ pub mod draft;
 pub mod generate;
 
 pub use decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
-pub use draft::{Chooser, Context, Draft, DraftHead, DraftKind, DraftMode, HeadMode, LmHead, Proposal};
+pub use draft::{Chooser, Context, Draft, DraftHead, DraftKind, DraftMode, Feed, HeadMode, LmHead, Proposal};
 pub use generate::{generate, Generation, StopReason};
 
 use anyhow::Result;
@@ -35,6 +35,8 @@ pub trait TargetModel {
     type Features: Positions;
     /// An LM head's rows on this engine.
     type Head: HeadRows;
+    /// What a draft on this engine lets `feed_drafts` run beside its siblings (`Draft::state`).
+    type DraftState;
 
     fn vocab(&self) -> usize;
     fn context_length(&self) -> usize;
@@ -51,6 +53,20 @@ pub trait TargetModel {
     fn forward_blocks(&self, blocks: &mut [Block<'_, Self>]) -> Result<()> {
         for b in blocks {
             self.forward(b.tokens, b.cache, b.logit_rows, b.features.as_deref_mut(), b.logits)?;
+        }
+        Ok(())
+    }
+
+    /// Feed the drafts `slots` (ascending indices into `drafts`) at one drafting position, each its own feed, and push
+    /// their head inputs to `rows` in the same order. By default one draft at a time; an engine may run drafts on the
+    /// same weights in one forward (on a GPU at batch 64, one launch group a position instead of one a slot). A
+    /// draft's row must not depend on the drafts beside it where the engine's numerics allow.
+    fn feed_drafts(&self, drafts: &mut [&mut dyn Draft<Self>], slots: &[usize], feeds: &[Feed<'_, Self::Features>], rows: &mut Vec<Row<Self>>) -> Result<()>
+    where
+        Self: Sized,
+    {
+        for (&slot, feed) in slots.iter().zip(feeds) {
+            rows.push(feed.to(&mut *drafts[slot])?);
         }
         Ok(())
     }

@@ -37,8 +37,9 @@ pub struct TrainOptions {
     /// A head folder whose weights the run starts from (with fresh moments and its own schedule) instead of the
     /// initial ones; an EAGLE-3 head keeps its draft vocabulary.
     pub init_from: Option<PathBuf>,
-    /// Train against a pruned vocabulary: frequencies and how many ids to keep.
-    pub freq: Option<PathBuf>,
+    /// Train against a pruned vocabulary: frequencies (a file or a known name, found once the options are checked)
+    /// and how many ids to keep.
+    pub freq: Option<String>,
     pub keep: Option<KeepRule>,
     pub quiet: bool,
 }
@@ -266,6 +267,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             bail!("--arch eagle3 --steps 0: the draft vocabulary comes from the teacher data, so an untrained head needs at least one step");
         }
     }
+    let freq = o.freq.as_deref().map(crate::vocab::freq_path).transpose()?;
     let files = crate::vocab::corpus_files(&o.corpus)?;
     let mut lines = Vec::new();
     for f in &files {
@@ -282,7 +284,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     // Made before anything is written, so a corpus that cannot give them leaves no folder behind.
     let continuations = if o.continuations > 0 { continuations(&lines, o.continuations, s.seed)? } else { Vec::new() };
     let target = Target::load(&o.target)?;
-    let keep = match (&o.keep, &o.freq) {
+    let keep = match (&o.keep, &freq) {
         (None, None) => None,
         (Some(rule), Some(f)) => Some(Frequencies::load(f)?.keep_set(*rule, target.model.config.vocab, &target.tokenizer.stop_ids)?),
         _ => bail!("training against a pruned vocabulary needs both --freq and --ratio/--keep"),
@@ -339,7 +341,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         "data": data_identity,
         "settings": s,
         "keep": o.keep.map(|k| format!("{k:?}")),
-        "freq_sha256": o.freq.as_deref().map(crate::outputs::manifest::sha256).transpose()?,
+        "freq_sha256": freq.as_deref().map(crate::outputs::manifest::sha256).transpose()?,
     });
     // Absent when unused, so folders made before --init-from keep their identity.
     if let Some(head) = &init {

@@ -1,13 +1,14 @@
 //! The drafts on the candle engine: EAGLE-1, EAGLE-3 and draft models, computing what the CPU engine's drafts
 //! compute (`engine::cpu::draft`, whose loaders read and check the checkpoints) with candle tensors on the device.
-//! Weights are converted once and shared (candle tensors are reference-counted); each `instance` has its own cache.
+//! Weights are converted once and shared (candle tensors are reference-counted); an EAGLE `instance`'s cache is a slot
+//! of its weights' pool, so the loop's drafts on the same weights are fed in one forward (`feed_together`).
 
 use super::llama::{norm_weights, rms_norm, Cache, KvPool, Layer, Llama, Proj, Random, Rope};
 use super::{DeviceFeatures, DeviceHead};
 use crate::engine::cpu::draft::Loaded;
 use crate::engine::cpu::model::Geometry;
-use crate::speculative::{Chooser, Context, Draft, LmHead, Positions};
-use anyhow::{Context as _, Result};
+use crate::speculative::{Chooser, Context, Draft, Feed, LmHead, Positions};
+use anyhow::{bail, Context as _, Result};
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -72,8 +73,8 @@ impl DraftWeights {
             DraftWeights::Model { model, label } => {
                 Box::new(ModelDraft { cache: model.new_cache(), model: model.clone(), label: label.clone(), chooser: Chooser::default() })
             }
-            DraftWeights::Eagle(w) => Box::new(EagleDraft { w: w.clone(), target, cache: w.pool.cache(), last: None, chooser: Chooser::default() }),
-            DraftWeights::Eagle3(w) => Box::new(Eagle3Draft { w: w.clone(), target, cache: w.pool.cache(), last: None, chooser: Chooser::default() }),
+            DraftWeights::Eagle(w) => Box::new(EagleDraft { state: DraftState { head: Head::Eagle(w.clone()), cache: w.pool.cache(), last: None }, target, chooser: Chooser::default() }),
+            DraftWeights::Eagle3(w) => Box::new(EagleDraft { state: DraftState { head: Head::Eagle3(w.clone()), cache: w.pool.cache(), last: None }, target, chooser: Chooser::default() }),
         }
     }
 }
@@ -136,67 +137,6 @@ pub struct EagleWeights {
     source: String,
 }
 
-pub struct EagleDraft<'a> {
-    w: Arc<EagleWeights>,
-    target: &'a Llama,
-    cache: Cache,
-    /// The layer's output at the last drafted position: the stand-in feature for the next one.
-    last: Option<Tensor>,
-    chooser: Chooser<DeviceHead>,
-}
-
-impl EagleDraft<'_> {
-    /// Run pairs (feature row, next token) through fc and the layer; returns the layer outputs `[n, hidden]`.
-    fn step(&mut self, features: &Tensor, tokens: &[u32]) -> Result<Tensor> {
-        let pair = Tensor::cat(&[&self.target.embed(tokens)?, features], 1)?;
-        let x = self.w.fc.forward(&pair)?;
-        let rope = self.w.rope.at(self.cache.len(), tokens.len(), &self.target.device)?;
-        self.w.layer.forward(&self.w.geometry, &rope, &x, None, &mut self.cache)
-    }
-}
-
-impl Draft<Llama> for EagleDraft<'_> {
-    fn describe(&self) -> String {
-        format!("EAGLE-1 head {} (candle)", self.w.source)
-    }
-
-    fn lm_head(&self) -> LmHead<DeviceHead> {
-        LmHead::full(DeviceHead::new(self.target.lm_head().clone()))
-    }
-
-    fn reset(&mut self) {
-        self.cache.truncate(0);
-        self.last = None;
-    }
-
-    fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<Tensor> {
-        // Draft position j pairs (f_j, t_{j+1}); every j < n − 1 has a true target feature.
-        let (n, seen) = (ctx.tokens.len(), self.cache.len());
-        let features = ctx.features.hidden_rows(seen, n - 1 - seen)?;
-        let out = self.step(&features, &ctx.tokens[seen + 1..n])?;
-        let last = out.narrow(0, out.dim(0)? - 1, 1)?;
-        self.last = Some(last.clone());
-        Ok(last)
-    }
-
-    fn extend(&mut self, token: u32) -> Result<Tensor> {
-        // No target feature exists yet for the drafted position: EAGLE feeds its own output instead.
-        let last = self.last.take().context("extend before catch_up")?;
-        let out = self.step(&last, &[token])?;
-        self.last = Some(out.clone());
-        Ok(out)
-    }
-
-    fn rollback(&mut self, before: usize, _accepted: usize) -> Result<()> {
-        // Positions computed from the draft's own features are replaced by ones from true target features.
-        Positions::truncate(&mut self.cache, before - 1)
-    }
-
-    fn chooser(&mut self) -> &mut Chooser<DeviceHead> {
-        &mut self.chooser
-    }
-}
-
 /// EAGLE-3 (as `engine::cpu::draft::Eagle3Draft`): g = fc(the target's streams entering three layers); one midlayer
 /// attending over cat(input_layernorm(embed(t)), hidden_norm(g)) with g as the residual; its own final norm and LM
 /// head over a draft vocabulary.
@@ -214,71 +154,176 @@ pub struct Eagle3Weights {
     source: String,
 }
 
-pub struct Eagle3Draft<'a> {
-    w: Arc<Eagle3Weights>,
-    target: &'a Llama,
+/// The head an EAGLE draft runs.
+#[derive(Clone)]
+enum Head {
+    Eagle(Arc<EagleWeights>),
+    Eagle3(Arc<Eagle3Weights>),
+}
+
+impl Head {
+    /// The one layer, its geometry and its rotary table.
+    fn layer(&self) -> (&Layer, &Geometry, &Rope) {
+        match self {
+            Head::Eagle(w) => (&w.layer, &w.geometry, &w.rope),
+            Head::Eagle3(w) => (&w.layer, &w.geometry, &w.rope),
+        }
+    }
+
+    /// What identifies the weights: drafts on the same ones run together.
+    fn weights(&self) -> *const () {
+        match self {
+            Head::Eagle(w) => Arc::as_ptr(w).cast(),
+            Head::Eagle3(w) => Arc::as_ptr(w).cast(),
+        }
+    }
+
+    /// The stream the layer reads for target positions `start..start + n`: EAGLE-1 the target's post-norm hidden
+    /// states, EAGLE-3 fc over its captured layers.
+    fn stream(&self, features: &DeviceFeatures, start: usize, n: usize) -> Result<Tensor> {
+        match self {
+            Head::Eagle(_) => features.hidden_rows(start, n),
+            Head::Eagle3(w) => w.fc.forward(&features.layer_rows(start, n)?),
+        }
+    }
+
+    /// The layer's input and, for EAGLE-3, its attention's input, of stream rows paired with embedded next tokens.
+    fn inputs(&self, embedded: &Tensor, streams: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        Ok(match self {
+            Head::Eagle(w) => (w.fc.forward(&Tensor::cat(&[embedded, streams], 1)?)?, None),
+            Head::Eagle3(w) => {
+                let eps = w.geometry.rms_eps as f64;
+                let attn_input = Tensor::cat(&[&rms_norm(embedded, &w.input_norm, eps)?, &rms_norm(streams, &w.hidden_norm, eps)?], 1)?;
+                (streams.clone(), Some(attn_input))
+            }
+        })
+    }
+
+    /// What the draft LM head reads of the layer's outputs: EAGLE-1 the outputs, EAGLE-3 their final norm.
+    fn head_input(&self, outputs: &Tensor) -> Result<Tensor> {
+        match self {
+            Head::Eagle(_) => Ok(outputs.clone()),
+            Head::Eagle3(w) => rms_norm(outputs, &w.norm, w.geometry.rms_eps as f64),
+        }
+    }
+}
+
+/// An EAGLE draft's own part: its head, its cache (a slot of the head's pool) and the layer's output at its last
+/// drafted position, the next position's stream in place of a target feature. Drafts on the same weights are fed in
+/// one forward (`feed_together`).
+pub struct DraftState {
+    head: Head,
     cache: Cache,
-    /// The midlayer's pre-norm output at the last drafted position: the next position's input in place of g.
     last: Option<Tensor>,
+}
+
+impl DraftState {
+    /// What identifies the draft's weights.
+    pub fn weights(&self) -> *const () {
+        self.head.weights()
+    }
+}
+
+/// Feed drafts on the same weights in one forward of their layer (one pass over its weights, one launch group for
+/// all of them): each draft's stream since it last caught up (or its own last output) paired with its next tokens,
+/// at its own positions of its own cache. Returns each draft's head input `[1, hidden]`, in order.
+pub fn feed_together(target: &Llama, states: &mut [&mut DraftState], feeds: &[Feed<'_, DeviceFeatures>]) -> Result<Vec<Tensor>> {
+    let head = states.first().context("no draft to feed")?.head.clone();
+    if states.iter().any(|s| s.head.weights() != head.weights()) {
+        bail!("drafts fed together run the same weights");
+    }
+    let (mut streams, mut tokens, mut runs) = (Vec::with_capacity(states.len()), Vec::new(), Vec::with_capacity(states.len()));
+    for (s, feed) in states.iter_mut().zip(feeds) {
+        let seen = s.cache.len();
+        let (stream, fed) = match feed {
+            // Draft position j pairs (f_j, t_{j+1}); every j < n − 1 has a true target feature.
+            Feed::CatchUp(ctx) => (head.stream(ctx.features, seen, ctx.tokens.len() - 1 - seen)?, &ctx.tokens[seen + 1..]),
+            // No target feature exists yet for a drafted position: EAGLE feeds its own output instead.
+            Feed::Extend(token) => (s.last.take().context("extend before catch_up")?, std::slice::from_ref(token)),
+        };
+        streams.push(stream);
+        tokens.extend_from_slice(fed);
+        runs.push((seen, fed.len()));
+    }
+    let (x, attn_input) = head.inputs(&target.embed(&tokens)?, &Tensor::cat(&streams, 0)?)?;
+    let (layer, geometry, rope) = head.layer();
+    let rope = rope.runs(&runs, &target.device)?;
+    let rows: Vec<usize> = runs.iter().map(|r| r.1).collect();
+    let mut caches: Vec<&mut Cache> = states.iter_mut().map(|s| &mut s.cache).collect();
+    let out = Cache::extend(&mut caches, &rows, |buffers, placed| layer.forward_placed(geometry, &rope, &x, attn_input.as_ref(), &buffers[0], placed))?;
+    // Every draft's last row, gathered once.
+    let ends: Vec<u32> = rows.iter().scan(0, |end, n| {
+        *end += n;
+        Some(*end as u32 - 1)
+    }).collect();
+    let last = out.index_select(&Tensor::from_vec(ends, rows.len(), &target.device)?, 0)?;
+    let inputs = head.head_input(&last)?;
+    let mut fed = Vec::with_capacity(states.len());
+    for (i, s) in states.iter_mut().enumerate() {
+        s.last = Some(last.narrow(0, i, 1)?);
+        fed.push(inputs.narrow(0, i, 1)?);
+    }
+    Ok(fed)
+}
+
+/// An EAGLE-1 or EAGLE-3 draft on this engine.
+pub struct EagleDraft<'a> {
+    state: DraftState,
+    target: &'a Llama,
     chooser: Chooser<DeviceHead>,
 }
 
-impl Eagle3Draft<'_> {
-    /// Run inputs g `[n, hidden]` with the next tokens through the midlayer; returns the pre-norm outputs.
-    fn step(&mut self, g: &Tensor, tokens: &[u32]) -> Result<Tensor> {
-        let eps = self.w.geometry.rms_eps as f64;
-        let e = rms_norm(&self.target.embed(tokens)?, &self.w.input_norm, eps)?;
-        let attn_input = Tensor::cat(&[&e, &rms_norm(g, &self.w.hidden_norm, eps)?], 1)?;
-        let rope = self.w.rope.at(self.cache.len(), tokens.len(), &self.target.device)?;
-        self.w.layer.forward(&self.w.geometry, &rope, g, Some(&attn_input), &mut self.cache)
-    }
-
-    /// Keep the last pre-norm output and return its final norm: what the draft LM head reads.
-    fn head_input(&mut self, last: Tensor) -> Result<Tensor> {
-        let normed = rms_norm(&last, &self.w.norm, self.w.geometry.rms_eps as f64)?;
-        self.last = Some(last);
-        Ok(normed)
+impl EagleDraft<'_> {
+    fn feed(&mut self, feed: Feed<'_, DeviceFeatures>) -> Result<Tensor> {
+        Ok(feed_together(self.target, &mut [&mut self.state], &[feed])?.pop().expect("one draft fed"))
     }
 }
 
-impl Draft<Llama> for Eagle3Draft<'_> {
+impl Draft<Llama> for EagleDraft<'_> {
     fn describe(&self) -> String {
-        format!("EAGLE-3 head {} (candle)", self.w.source)
+        match &self.state.head {
+            Head::Eagle(w) => format!("EAGLE-1 head {} (candle)", w.source),
+            Head::Eagle3(w) => format!("EAGLE-3 head {} (candle)", w.source),
+        }
     }
 
     fn lm_head(&self) -> LmHead<DeviceHead> {
-        self.w.lm_head.clone()
+        match &self.state.head {
+            Head::Eagle(_) => LmHead::full(DeviceHead::new(self.target.lm_head().clone())),
+            Head::Eagle3(w) => w.lm_head.clone(),
+        }
     }
 
     fn target_layers(&self) -> Vec<usize> {
-        self.w.aux_layers.clone()
+        match &self.state.head {
+            Head::Eagle(_) => Vec::new(),
+            Head::Eagle3(w) => w.aux_layers.clone(),
+        }
     }
 
     fn reset(&mut self) {
-        self.cache.truncate(0);
-        self.last = None;
+        self.state.cache.truncate(0);
+        self.state.last = None;
     }
 
     fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<Tensor> {
-        let (n, seen) = (ctx.tokens.len(), self.cache.len());
-        let g = self.w.fc.forward(&ctx.features.layer_rows(seen, n - 1 - seen)?)?;
-        let pre = self.step(&g, &ctx.tokens[seen + 1..n])?;
-        let last = pre.narrow(0, pre.dim(0)? - 1, 1)?;
-        self.head_input(last)
+        self.feed(Feed::CatchUp(*ctx))
     }
 
     fn extend(&mut self, token: u32) -> Result<Tensor> {
-        let last = self.last.take().context("extend before catch_up")?;
-        let pre = self.step(&last, &[token])?;
-        self.head_input(pre)
+        self.feed(Feed::Extend(token))
     }
 
     fn rollback(&mut self, before: usize, _accepted: usize) -> Result<()> {
-        Positions::truncate(&mut self.cache, before - 1)
+        // Positions computed from the draft's own features are replaced by ones from true target features.
+        Positions::truncate(&mut self.state.cache, before - 1)
     }
 
     fn chooser(&mut self) -> &mut Chooser<DeviceHead> {
         &mut self.chooser
     }
-}
 
+    fn state(&mut self) -> Option<&mut DraftState> {
+        Some(&mut self.state)
+    }
+}

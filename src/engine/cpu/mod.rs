@@ -76,6 +76,7 @@ impl Positions for Cache {
 impl TargetModel for Model {
     type Cache = Cache;
     type Features = CpuFeatures;
+    type DraftState = ();
     type Head = Arc<Matrix>;
 
     fn vocab(&self) -> usize {
