@@ -2,9 +2,11 @@
 # The GPU check: on a machine with an NVIDIA GPU and no network, with a frspec built elsewhere by
 #   eval "$(scripts/cuda-toolchain.sh)" && cargo build --release --features cuda
 # Downloads nothing: every model is synthetic. All four parts took about 75 s on one H200 (six runs, 2026-11-30),
-# before part 3 measured the batched loop too (not yet timed on a GPU). In the batched loop the slots' draft layers
-# run one slot at a time, but slots sharing a head (here all of them: one ratio) take one head product per position;
-# a real sweep spreads its slots over the ratios, so there a head is shared by about B / ratios slots.
+# before part 3 measured the batched loop too (not yet timed on a GPU). In the batched loop every slot's keys and
+# values are one slot of a pool a layer, and one launch a layer attends all slots' rows (since 2026-12-02; not yet run
+# on a GPU); the slots' EAGLE layers run in one forward a drafting position, and slots sharing a head (here all of
+# them: one ratio) take one head product per position; a real sweep spreads its slots over the ratios, so there a
+# head is shared by about B / ratios slots.
 #   1. agreement: greedy tokens of a synthetic model in f32 on the GPU against the CPU engine (exit 1 if they differ)
 #   2. bench head at Llama-3.1 size (H 4096, V 128256) in bf16, B = 1 … 1024, every ratio
 #   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s, verification passes of
