@@ -213,7 +213,7 @@ where
             order: Vec::new(),
         })
         .collect();
-    let mut side_by_side = SideBySide::<T>::new(slots.len());
+    let mut side_by_side = SideBySide::<T>::new();
     let stopped = |t: u32| stop_ids.contains(&t);
     loop {
         // Turns out of new tokens or context end before drafting.
@@ -253,11 +253,19 @@ where
             return Ok(());
         }
 
-        for slot in slots.iter_mut().filter(|s| s.turn.is_some() && !s.prefilling()) {
-            slot.n = slot.tokens.len();
-            slot.proposal.clear();
-        }
-        side_by_side.draft(target, &mut slots, drafts, cfg)?;
+        let mut seqs: Vec<Drafting<T>> = slots
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, s)| s.turn.is_some() && !s.prefilling())
+            .map(|(i, s)| {
+                s.n = s.tokens.len();
+                let turn = s.turn.as_mut().expect("filtered");
+                let ctx = Context { tokens: &s.tokens, features: &s.features };
+                Drafting { slot: i, ctx, k: s.k, head: turn.head, rng: turn.rng.as_mut(), proposal: &mut s.proposal, secs: &mut turn.rec.draft_secs }
+            })
+            .collect();
+        side_by_side.draft(target, &mut seqs, drafts, cfg.mode, cfg.sampling)?;
+        drop(seqs);
         for slot in slots.iter_mut().filter(|s| s.turn.is_some() && !s.prefilling()) {
             slot.block.clear();
             slot.block.push(slot.tokens[slot.n - 1]);
@@ -299,12 +307,26 @@ where
     }
 }
 
-/// How the slots draft: position by position, side by side, so that slots drafting through one head choose their
-/// tokens from one product of it (the head is read once for all of them, not once a slot: on a GPU at batch 64, the
-/// LM head of Llama-3 is 1 GB a read). The buffers live from step to step.
+/// A sequence drafting beside others (`SideBySide::draft`): the slot of its draft, what it drafts after, how many
+/// tokens, through which head, from which stream, and where its proposal and its drafting time go.
+struct Drafting<'a, T: TargetModel> {
+    slot: usize,
+    ctx: Context<'a, T::Features>,
+    k: usize,
+    head: &'a DraftHead<T::Head>,
+    rng: &'a mut dyn rand::Rng,
+    proposal: &'a mut Proposal,
+    secs: &'a mut f64,
+}
+
+/// How sequences draft: position by position, side by side, so that drafts on the same weights are fed together
+/// (`TargetModel::feed_drafts`) and sequences drafting through one head choose their tokens from one product of it
+/// (the head is read once for all of them, not once a sequence: on a GPU at batch 64, the LM head of Llama-3 is 1 GB
+/// a read). The buffers live from step to step.
 struct SideBySide<T: TargetModel> {
-    /// The slots fed at this position, and their head inputs.
+    /// The drafts fed at this position, and which sequences they draft for.
     fed: Vec<usize>,
+    which: Vec<usize>,
     hidden: Vec<Option<Row<T>>>,
     grouped: Vec<bool>,
     scratch: <T::Head as HeadRows>::Scratch,
@@ -312,70 +334,68 @@ struct SideBySide<T: TargetModel> {
 }
 
 impl<T: TargetModel> SideBySide<T> {
-    fn new(slots: usize) -> Self {
-        SideBySide { fed: Vec::with_capacity(slots), hidden: (0..slots).map(|_| None).collect(), grouped: vec![false; slots], scratch: Default::default(), indices: Vec::new() }
+    fn new() -> Self {
+        SideBySide { fed: Vec::new(), which: Vec::new(), hidden: Vec::new(), grouped: Vec::new(), scratch: Default::default(), indices: Vec::new() }
     }
 
-    /// Every drafting slot proposes its `k` tokens. At each position the drafting slots' drafts catch up (first
-    /// position) or extend by their last token, fed together (`TargetModel::feed_drafts`: one forward for drafts on
-    /// the same weights where the engine can); then the slots sharing a head choose together (`choose_many`), groups
-    /// in slot order. A slot's draws come from its own stream in the order it makes them alone, so its proposal does
-    /// not depend on its neighbours where the engine's forwards and products do not. Time shared by several slots (a
-    /// feed, a head's product) is split equally between them.
-    fn draft<'h>(&mut self, target: &T, slots: &mut [Slot<'h, T>], drafts: &mut [&mut dyn Draft<T>], cfg: &SpecConfig) -> Result<()> {
-        let drafting = |s: &Slot<T>, step: usize| s.turn.is_some() && !s.prefilling() && step < s.k;
-        let positions = slots.iter().filter(|s| drafting(s, 0)).map(|s| s.k).max().unwrap_or(0);
+    /// Every sequence of `seqs` (in ascending slot order) proposes its `k` tokens. At each position the drafts of the
+    /// sequences still drafting catch up (first position) or extend by their last token, fed together; then the
+    /// sequences sharing a head choose together (`choose_many`), groups in order. A sequence's draws come from its own
+    /// stream in the order it makes them alone, so its proposal does not depend on its neighbours where the engine's
+    /// forwards and products do not. Time shared by several sequences (a feed, a head's product) is split equally.
+    fn draft(&mut self, target: &T, seqs: &mut [Drafting<'_, T>], drafts: &mut [&mut dyn Draft<T>], mode: DraftMode, sampling: Sampling) -> Result<()> {
+        self.hidden.clear();
+        self.hidden.resize_with(seqs.len(), || None);
+        self.grouped.resize(seqs.len(), false);
+        seqs.iter_mut().for_each(|s| s.proposal.clear());
+        let positions = seqs.iter().map(|s| s.k).max().unwrap_or(0);
         for step in 0..positions {
+            self.which.clear();
+            self.which.extend((0..seqs.len()).filter(|&j| step < seqs[j].k));
             self.fed.clear();
-            self.fed.extend((0..slots.len()).filter(|&i| drafting(&slots[i], step)));
+            self.fed.extend(self.which.iter().map(|&j| seqs[j].slot));
             let feeds: Vec<Feed<T::Features>> = self
-                .fed
+                .which
                 .iter()
-                .map(|&i| match step {
-                    0 => Feed::CatchUp(Context { tokens: &slots[i].tokens, features: &slots[i].features }),
-                    _ => Feed::Extend(slots[i].proposal.tokens[step - 1]),
+                .map(|&j| match step {
+                    0 => Feed::CatchUp(seqs[j].ctx),
+                    _ => Feed::Extend(seqs[j].proposal.tokens[step - 1]),
                 })
                 .collect();
             let t = Instant::now();
             let mut rows = Vec::with_capacity(feeds.len());
             target.feed_drafts(drafts, &self.fed, &feeds, &mut rows)?;
-            drop(feeds);
             let share = t.elapsed().as_secs_f64() / self.fed.len() as f64;
-            self.hidden.iter_mut().for_each(|h| *h = None);
-            for (&i, row) in self.fed.iter().zip(rows) {
-                slots[i].turn.as_mut().expect("drafting").rec.draft_secs += share;
-                self.hidden[i] = Some(row);
+            for (&j, row) in self.which.iter().zip(rows) {
+                *seqs[j].secs += share;
+                self.hidden[j] = Some(row);
             }
-            for first in 0..slots.len() {
-                // A slot's row is taken once its group has chosen.
+            for first in 0..seqs.len() {
+                // A sequence's row is taken once its group has chosen.
                 if self.hidden[first].is_none() {
                     continue;
                 }
-                let head = slots[first].turn.as_ref().expect("drafting").head;
-                for (i, slot) in slots.iter().enumerate().skip(first) {
-                    self.grouped[i] = self.hidden[i].is_some() && std::ptr::eq(slot.turn.as_ref().expect("drafting").head, head);
+                let head = seqs[first].head;
+                for j in first..seqs.len() {
+                    self.grouped[j] = self.hidden[j].is_some() && std::ptr::eq(seqs[j].head, head);
                 }
                 let t = Instant::now();
-                let mut choices: Vec<Choice<T::Head>> = slots
-                    .iter_mut()
-                    .zip(drafts.iter_mut())
-                    .zip(&self.hidden)
-                    .enumerate()
-                    .skip(first)
-                    .filter(|(i, _)| self.grouped[*i])
-                    .map(|(_, ((slot, draft), hidden))| {
-                        let turn = slot.turn.as_mut().expect("drafting");
-                        Choice { chooser: draft.chooser(), hidden: hidden.as_ref().expect("filtered"), rng: &mut turn.rng, out: &mut slot.proposal }
-                    })
-                    .collect();
-                let members = choices.len();
-                choose_many(head, &mut choices, cfg.mode, cfg.sampling, &mut self.scratch, &mut self.indices)?;
+                let mut members = seqs.iter_mut().zip(&self.hidden).zip(&self.grouped).filter(|(_, &grouped)| grouped).map(|(member, _)| member).peekable();
+                let mut choices: Vec<Choice<T::Head>> = Vec::new();
+                for (i, draft) in drafts.iter_mut().enumerate() {
+                    if let Some((s, hidden)) = members.next_if(|(s, _)| s.slot == i) {
+                        choices.push(Choice { chooser: draft.chooser(), hidden: hidden.as_ref().expect("grouped"), rng: &mut *s.rng, out: &mut *s.proposal });
+                    }
+                }
+                let count = choices.len();
+                choose_many(head, &mut choices, mode, sampling, &mut self.scratch, &mut self.indices)?;
                 drop(choices);
-                let share = t.elapsed().as_secs_f64() / members as f64;
-                for (i, slot) in slots.iter_mut().enumerate().skip(first) {
-                    if self.grouped[i] {
-                        slot.turn.as_mut().expect("drafting").rec.draft_secs += share;
-                        self.hidden[i] = None;
+                let share = t.elapsed().as_secs_f64() / count as f64;
+                for (j, s) in seqs.iter_mut().enumerate() {
+                    if self.grouped[j] {
+                        *s.secs += share;
+                        self.hidden[j] = None;
+                        self.grouped[j] = false;
                     }
                 }
             }
@@ -628,59 +648,96 @@ pub fn greedy_turns<T: TargetModel>(
     max_new_tokens: usize,
 ) -> Result<(Vec<u32>, Vec<TurnRecord>)> {
     let continuation = greedy_continuation(target, stop_ids, prompt, max_new_tokens, &draft.target_layers())?;
-    let records = drafts_along(target, stop_ids, draft, heads, &continuation, k, max_new_tokens)?;
-    Ok((continuation.tokens[prompt.len()..].to_vec(), records))
+    let records = drafts_along(target, stop_ids, &mut [draft], heads, std::slice::from_ref(&continuation), k, max_new_tokens)?;
+    Ok((continuation.tokens[prompt.len()..].to_vec(), records.into_iter().next().expect("one continuation")))
 }
 
-/// The records greedy speculative decoding gives along the target's greedy `continuation`, one per head: a draft
-/// token is accepted while it matches the continuation, and the next token is the continuation's. The target
-/// features the draft reads come from that one pass; where the engine's blocks are bit-identical to single steps
-/// (the CPU engine) each record equals the full loop's (tested); only `target_secs`, the shared pass, is the same
-/// for every head.
+/// The records greedy speculative decoding gives along the target's greedy `continuations`, one per continuation and
+/// head (`[continuation][head]`): a draft token is accepted while it matches the continuation, and the next token is
+/// the continuation's. The target features the drafts read come from that one pass. The (continuation, head) pairs
+/// run side by side, as many at a time as there are `drafts`, head by head, each drafting position of all of them
+/// fed together and chosen with one product per head (`SideBySide`). Where the engine's blocks are bit-identical to
+/// single steps (the CPU engine) each record equals the full loop's (tested); only `target_secs`, the shared pass,
+/// is the same for every head.
 pub fn drafts_along<T: TargetModel>(
     target: &T,
     stop_ids: &[u32],
-    draft: &mut dyn Draft<T>,
+    drafts: &mut [&mut dyn Draft<T>],
     heads: &[&DraftHead<T::Head>],
-    continuation: &Continuation<T::Features>,
+    continuations: &[Continuation<T::Features>],
     k: usize,
     max_new_tokens: usize,
-) -> Result<Vec<TurnRecord>> {
+) -> Result<Vec<Vec<TurnRecord>>> {
     if k == 0 {
         bail!("k (draft tokens per step) must be at least 1");
     }
-    let ctx_limit = target.context_length();
-    let Continuation { tokens, features, stop, secs: target_secs, prompt_len } = continuation;
-    let (prompt_len, stop) = (*prompt_len, Some(*stop));
-    let mut records = Vec::with_capacity(heads.len());
-    let mut proposal = Proposal::default();
-    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(0);
-    for head in heads {
-        let mut rec = TurnRecord { prompt_tokens: prompt_len, accepted_per_pos: vec![0; k], target_secs: *target_secs, ..TurnRecord::default() };
-        draft.reset();
-        // Replay the full loop's steps along the continuation: n tokens known, the last not yet verified.
-        let mut n = prompt_len + 1;
-        while n < tokens.len() {
-            let remaining = max_new_tokens - (n - prompt_len);
-            let k_used = drafts_allowed(k, remaining, ctx_limit.saturating_sub(n));
-            let mut accepted = 0;
-            if k_used > 0 {
-                let ctx = Context { tokens: &tokens[..n], features };
-                let t = Instant::now();
-                draft.propose(&ctx, k_used, head, DraftMode::Argmax, Sampling::GREEDY, &mut rng, &mut proposal)?;
-                rec.draft_secs += t.elapsed().as_secs_f64();
-                accepted = proposal.tokens.iter().zip(&tokens[n..]).take_while(|(d, t)| d == t).count();
-                // At T = 0 every α is 0 or 1, so the expected accepted count is the accepted count.
-                rec.count_step(verification_limit(&proposal.tokens, stop_ids), accepted, accepted as f64);
-            }
-            draft.rollback(n, accepted)?;
-            n += accepted + 1;
-        }
-        rec.generated = tokens.len() - prompt_len;
-        rec.stop = stop;
-        records.push(rec);
+    if drafts.is_empty() {
+        bail!("drafting along a continuation needs at least one draft");
     }
-    Ok(records)
+    /// A (continuation, head) pair in a draft's slot: `n` tokens known, the last not yet verified.
+    struct Along {
+        continuation: usize,
+        head: usize,
+        n: usize,
+        k: usize,
+        rec: TurnRecord,
+        proposal: Proposal,
+    }
+    let ctx_limit = target.context_length();
+    // Head by head, so that the pairs side by side mostly share a head and choose from one product of it.
+    let mut pairs = (0..heads.len()).flat_map(|h| (0..continuations.len()).map(move |c| (c, h)));
+    let mut records: Vec<Vec<Option<TurnRecord>>> = continuations.iter().map(|_| vec![None; heads.len()]).collect();
+    let mut slots: Vec<Option<Along>> = drafts.iter().map(|_| None).collect();
+    // Argmax drafts draw nothing; the streams are there because choosing takes one.
+    let mut rngs: Vec<rand_chacha::ChaCha20Rng> = drafts.iter().map(|_| rand_chacha::ChaCha20Rng::seed_from_u64(0)).collect();
+    let mut side_by_side = SideBySide::<T>::new();
+    loop {
+        for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()) {
+            // A pair is done at the end of its continuation (at once for a one-token one); its slot takes the next.
+            loop {
+                if let Some(a) = slot.take_if(|a| a.n >= continuations[a.continuation].tokens.len()) {
+                    let c = &continuations[a.continuation];
+                    records[a.continuation][a.head] = Some(TurnRecord { generated: c.tokens.len() - c.prompt_len, stop: Some(c.stop), ..a.rec });
+                }
+                if slot.is_some() {
+                    break;
+                }
+                let Some((continuation, head)) = pairs.next() else { break };
+                let c = &continuations[continuation];
+                draft.reset();
+                let rec = TurnRecord { prompt_tokens: c.prompt_len, accepted_per_pos: vec![0; k], target_secs: c.secs, ..TurnRecord::default() };
+                *slot = Some(Along { continuation, head, n: c.prompt_len + 1, k: 0, rec, proposal: Proposal::default() });
+            }
+        }
+        if slots.iter().all(Option::is_none) {
+            break;
+        }
+        let mut seqs: Vec<Drafting<T>> = slots
+            .iter_mut()
+            .zip(rngs.iter_mut())
+            .enumerate()
+            .filter_map(|(i, (slot, rng))| {
+                let a = slot.as_mut()?;
+                let c = &continuations[a.continuation];
+                a.k = drafts_allowed(k, max_new_tokens - (a.n - c.prompt_len), ctx_limit.saturating_sub(a.n));
+                let ctx = Context { tokens: &c.tokens[..a.n], features: &c.features };
+                Some(Drafting { slot: i, ctx, k: a.k, head: heads[a.head], rng, proposal: &mut a.proposal, secs: &mut a.rec.draft_secs })
+            })
+            .collect();
+        side_by_side.draft(target, &mut seqs, drafts, DraftMode::Argmax, Sampling::GREEDY)?;
+        drop(seqs);
+        for (a, draft) in slots.iter_mut().zip(drafts.iter_mut()).filter_map(|(slot, draft)| Some((slot.as_mut()?, draft))) {
+            let tokens = &continuations[a.continuation].tokens;
+            let accepted = a.proposal.tokens.iter().zip(&tokens[a.n..]).take_while(|(d, t)| d == t).count();
+            if a.k > 0 {
+                // At T = 0 every α is 0 or 1, so the expected accepted count is the accepted count.
+                a.rec.count_step(verification_limit(&a.proposal.tokens, stop_ids), accepted, accepted as f64);
+            }
+            draft.rollback(a.n, accepted)?;
+            a.n += accepted + 1;
+        }
+    }
+    Ok(records.into_iter().map(|per_head| per_head.into_iter().map(|r| r.expect("every pair ran")).collect()).collect())
 }
 
 #[cfg(test)]

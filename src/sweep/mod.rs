@@ -216,16 +216,17 @@ fn answer(tok: &Tokenizer, tokens: &[u32]) -> Result<String> {
 /// together, and every ratio's draft runs along it; the records stand for every repeat.
 fn greedy_units<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, units: &[UnitKey], observer: &mut dyn Observer) -> Result<()> {
     let tok = engine.tokenizer;
-    let draft = engine.drafts[0].as_mut();
+    let mut drafts: Vec<&mut dyn Draft<T>> = engine.drafts.iter_mut().map(|d| d.as_mut() as &mut dyn Draft<T>).collect();
     let heads: Vec<&DraftHead<T::Head>> = engine.heads.iter().collect();
     units.iter().for_each(|key| observer.unit_started(key));
     let mut answers: Vec<Vec<String>> = vec![Vec::new(); units.len()];
     let mut records: Vec<Vec<Vec<TurnRecord>>> = vec![Vec::new(); units.len()];
     for turn in 0..plan.turns {
         let prompts = units.iter().zip(&answers).map(|(key, a)| tok.chat_prompt(&messages(&questions[key.prompt], turn, a))).collect::<Result<Vec<_>>>()?;
-        let continuations = greedy_continuations(engine.target, &tok.stop_ids, &prompts, plan.max_new_tokens, &draft.target_layers())?;
-        for (i, c) in continuations.iter().enumerate() {
-            records[i].push(drafts_along(engine.target, &tok.stop_ids, draft, &heads, c, plan.k, plan.max_new_tokens)?);
+        let continuations = greedy_continuations(engine.target, &tok.stop_ids, &prompts, plan.max_new_tokens, &drafts[0].target_layers())?;
+        let along = drafts_along(engine.target, &tok.stop_ids, &mut drafts, &heads, &continuations, plan.k, plan.max_new_tokens)?;
+        for (i, (c, per_head)) in continuations.iter().zip(along).enumerate() {
+            records[i].push(per_head);
             answers[i].push(answer(tok, &c.tokens[c.prompt_len..])?);
         }
     }
