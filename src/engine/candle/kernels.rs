@@ -301,10 +301,11 @@ impl InplaceOp3 for WriteKv {
         let ((o1, e1), (o2, e2)) = (span(l1, self.name())?, span(l2, self.name())?);
         let (kv_heads, capacity, d) = pool_dims(l1)?;
         let (width, places) = (l2.dims()[1], places(s3, l3, l1, usize::MAX, self.name())?);
+        let shape = PoolShape { heads: self.heads, kv_heads, capacity, d };
         match (s1, s2) {
-            (CpuStorage::F32(pool), CpuStorage::F32(qkv)) => self.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, kv_heads, capacity, d),
-            (CpuStorage::BF16(pool), CpuStorage::BF16(qkv)) => self.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, kv_heads, capacity, d),
-            (CpuStorage::F16(pool), CpuStorage::F16(qkv)) => self.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, kv_heads, capacity, d),
+            (CpuStorage::F32(pool), CpuStorage::F32(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places),
+            (CpuStorage::BF16(pool), CpuStorage::BF16(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places),
+            (CpuStorage::F16(pool), CpuStorage::F16(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places),
             _ => candle_core::bail!("write-kv: f32, bf16 or f16 operands of one dtype"),
         }
         Ok(())
@@ -313,18 +314,6 @@ impl InplaceOp3 for WriteKv {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &mut candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout, s3: &candle_core::CudaStorage, l3: &Layout) -> candle_core::Result<()> {
         cuda::write_kv(self, s1, l1, s2, l2, s3, l3)
-    }
-}
-
-impl WriteKv {
-    #[allow(clippy::too_many_arguments)]
-    fn write<T: WithDType>(&self, pool: &mut [T], qkv: &[T], width: usize, places: &[(usize, usize)], kv_heads: usize, capacity: usize, d: usize) {
-        for (row, &(slot, position)) in qkv.chunks_exact(width).zip(places) {
-            for plane_head in 0..2 * kv_heads {
-                let at = ((slot * 2 * kv_heads + plane_head) * capacity + position) * d;
-                pool[at..at + d].copy_from_slice(&row[(self.heads + plane_head) * d..][..d]);
-            }
-        }
     }
 }
 
@@ -337,11 +326,11 @@ impl CustomOp3 for RowsAttention {
         let ((o1, e1), (o2, e2)) = (span(l1, self.name())?, span(l2, self.name())?);
         let (kv_heads, capacity, d) = pool_dims(l2)?;
         let (rows, width, places) = (l1.dims()[0], l1.dims()[1], places(s3, l3, l2, self.longest, self.name())?);
-        let geometry = Attending { heads: self.heads, kv_heads, capacity, d };
+        let shape = PoolShape { heads: self.heads, kv_heads, capacity, d };
         let out = match (s1, s2) {
-            (CpuStorage::F32(qkv), CpuStorage::F32(pool)) => CpuStorage::F32(geometry.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
-            (CpuStorage::BF16(qkv), CpuStorage::BF16(pool)) => CpuStorage::BF16(geometry.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
-            (CpuStorage::F16(qkv), CpuStorage::F16(pool)) => CpuStorage::F16(geometry.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
+            (CpuStorage::F32(qkv), CpuStorage::F32(pool)) => CpuStorage::F32(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
+            (CpuStorage::BF16(qkv), CpuStorage::BF16(pool)) => CpuStorage::BF16(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
+            (CpuStorage::F16(qkv), CpuStorage::F16(pool)) => CpuStorage::F16(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
             _ => candle_core::bail!("rows-attention: f32, bf16 or f16 operands of one dtype"),
         };
         Ok((out, Shape::from((rows, self.heads * d))))
@@ -353,15 +342,27 @@ impl CustomOp3 for RowsAttention {
     }
 }
 
-/// The shapes `rows_attention`'s CPU twin works with.
-struct Attending {
+/// What the CPU twins of `write_kv` and `rows_attention` know of the rows and the pool: query heads, key/value heads,
+/// positions a slot holds, head dimension.
+struct PoolShape {
     heads: usize,
     kv_heads: usize,
     capacity: usize,
     d: usize,
 }
 
-impl Attending {
+impl PoolShape {
+    /// Every row's keys and values into its slot at its position.
+    fn write<T: WithDType>(&self, pool: &mut [T], qkv: &[T], width: usize, places: &[(usize, usize)]) {
+        let d = self.d;
+        for (row, &(slot, position)) in qkv.chunks_exact(width).zip(places) {
+            for plane_head in 0..2 * self.kv_heads {
+                let at = ((slot * 2 * self.kv_heads + plane_head) * self.capacity + position) * d;
+                pool[at..at + d].copy_from_slice(&row[(self.heads + plane_head) * d..][..d]);
+            }
+        }
+    }
+
     /// Each row's heads in turn, rows spread over the CPU's threads (a prompt's rows are many).
     fn attend<T: WithDType>(&self, qkv: &[T], pool: &[T], width: usize, places: &[(usize, usize)]) -> Vec<T> {
         use rayon::prelude::*;
