@@ -170,11 +170,12 @@ impl<T: TargetModel> Slot<'_, T> {
     }
 }
 
-/// Speculative decoding of every turn `turns` hands out, `drafts.len()` at a time: each step, every slot drafts
-/// (with its own draft) and the target verifies all slots' blocks in one `forward_blocks`; a finished turn's slot
-/// takes the next turn at once (its prompt joins the next forward). A turn's draws come from its own stream in the
-/// order one turn alone would make them, so on an engine whose blocks do not depend on their neighbours its
-/// record and tokens do not depend on the number of slots (tested). Time of a shared forward is split equally.
+/// Speculative decoding of every turn `turns` hands out, `drafts.len()` at a time: each step, every slot drafts with
+/// its own draft, side by side (`SideBySide`), and the target verifies all slots' blocks in one `forward_blocks`; a
+/// finished turn's slot takes the next turn at once (its prompt joins the next forward). A turn's draws come from
+/// its own stream in the order one turn alone would make them, so on an engine whose blocks do not depend on their
+/// neighbours its record and tokens do not depend on the number of slots (tested). Time of a shared forward is split
+/// equally.
 pub fn speculative_turns<'h, T: TargetModel>(
     target: &T,
     stop_ids: &[u32],
