@@ -168,6 +168,11 @@ pub struct Engine<'t, 'd, T: TargetModel> {
     pub heads: &'d [DraftHead<T::Head>],
 }
 
+/// An engine's drafts as the speculative core takes them, one per slot.
+fn slots<'a, T: TargetModel>(drafts: &'a mut [Box<dyn Draft<T> + '_>]) -> Vec<&'a mut dyn Draft<T>> {
+    drafts.iter_mut().map(|d| d.as_mut() as &mut dyn Draft<T>).collect()
+}
+
 /// What a running sweep reports to. Units of a batch run side by side: several may have started and not finished.
 pub trait Observer {
     fn unit_started(&mut self, _key: &UnitKey) {}
@@ -216,7 +221,7 @@ fn answer(tok: &Tokenizer, tokens: &[u32]) -> Result<String> {
 /// together, and every ratio's draft runs along it; the records stand for every repeat.
 fn greedy_units<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question], plan: &Plan, units: &[UnitKey], observer: &mut dyn Observer) -> Result<()> {
     let tok = engine.tokenizer;
-    let mut drafts: Vec<&mut dyn Draft<T>> = engine.drafts.iter_mut().map(|d| d.as_mut() as &mut dyn Draft<T>).collect();
+    let mut drafts = slots(engine.drafts);
     let heads: Vec<&DraftHead<T::Head>> = engine.heads.iter().collect();
     units.iter().for_each(|key| observer.unit_started(key));
     let mut answers: Vec<Vec<String>> = vec![Vec::new(); units.len()];
@@ -264,8 +269,7 @@ fn sampled_units<T: TargetModel>(engine: &mut Engine<T>, questions: &[Question],
         follow_ups: std::collections::VecDeque::new(),
         runs: units.iter().map(|k| vec![None; plan.runs_per_unit(k)]).collect(),
     };
-    let mut slots: Vec<&mut dyn Draft<T>> = engine.drafts.iter_mut().map(|d| d.as_mut() as &mut dyn Draft<T>).collect();
-    speculative_turns(engine.target, &engine.tokenizer.stop_ids, &mut slots, &cfg, &mut matrix)
+    speculative_turns(engine.target, &engine.tokenizer.stop_ids, &mut slots(engine.drafts), &cfg, &mut matrix)
 }
 
 /// One unit's turns at one ratio.

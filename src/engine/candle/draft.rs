@@ -232,7 +232,7 @@ pub fn feed_together(target: &Llama, states: &mut [&mut DraftState], feeds: &[Fe
     if states.iter().any(|s| s.head.weights() != head.weights()) {
         bail!("drafts fed together run the same weights");
     }
-    let (mut streams, mut tokens, mut runs) = (Vec::with_capacity(states.len()), Vec::new(), Vec::with_capacity(states.len()));
+    let (mut streams, mut tokens, mut rows) = (Vec::with_capacity(states.len()), Vec::new(), Vec::with_capacity(states.len()));
     for (s, feed) in states.iter_mut().zip(feeds) {
         let seen = s.cache.len();
         let (stream, fed) = match feed {
@@ -243,14 +243,15 @@ pub fn feed_together(target: &Llama, states: &mut [&mut DraftState], feeds: &[Fe
         };
         streams.push(stream);
         tokens.extend_from_slice(fed);
-        runs.push((seen, fed.len()));
+        rows.push(fed.len());
     }
     let (x, attn_input) = head.inputs(&target.embed(&tokens)?, &Tensor::cat(&streams, 0)?)?;
     let (layer, geometry, rope) = head.layer();
-    let rope = rope.runs(&runs, &target.device)?;
-    let rows: Vec<usize> = runs.iter().map(|r| r.1).collect();
     let mut caches: Vec<&mut Cache> = states.iter_mut().map(|s| &mut s.cache).collect();
-    let out = Cache::extend(&mut caches, &rows, |buffers, placed| layer.forward_placed(geometry, &rope, &x, attn_input.as_ref(), &buffers[0], placed))?;
+    let out = Cache::extend(&mut caches, &rows, |buffers, placed| {
+        let rope = rope.runs(&placed.runs(), &target.device)?;
+        layer.forward_placed(geometry, &rope, &x, attn_input.as_ref(), &buffers[0], placed)
+    })?;
     // Every draft's last row, gathered once.
     let ends: Vec<u32> = rows.iter().scan(0, |end, n| {
         *end += n;

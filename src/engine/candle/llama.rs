@@ -250,14 +250,9 @@ impl Layer {
         })
     }
 
-    /// `x` `[n, hidden]` continuing `cache` (a one-layer cache, as a draft's), its keys and values written there.
-    /// `attn_input` replaces the (normed) stream as the attention's input (EAGLE-3).
-    pub fn forward(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, cache: &mut Cache) -> Result<Tensor> {
-        Cache::extend(&mut [cache], &[x.dim(0)?], |buffers, placed| self.forward_placed(s, rope, x, attn_input, &buffers[0], placed))
-    }
-
-    /// `forward` for the rows of several sequences one after another, each at its place in `kv`, this layer's buffer
-    /// of their pool: the projections run once over every row (one pass over the weights), one launch writes every
+    /// `x` `[rows, hidden]`, the rows of several sequences one after another, each at its place in `kv`, this layer's
+    /// buffer of their pool (`Cache::extend`); `attn_input` replaces the (normed) stream as the attention's input
+    /// (EAGLE-3). The projections run once over every row (one pass over the weights), one launch writes every
     /// row's keys and values, and one attends every row over its own sequence's cache. `rope` holds every row's
     /// position.
     pub fn forward_placed(&self, s: &Geometry, rope: &RopeTables, x: &Tensor, attn_input: Option<&Tensor>, kv: &Tensor, placed: &Placed) -> Result<Tensor> {
@@ -293,6 +288,11 @@ struct Segment {
 }
 
 impl Placed {
+    /// Each sequence's (length before the forward, rows): the runs of positions its rows take.
+    pub fn runs(&self) -> Vec<(usize, usize)> {
+        self.segments.iter().map(|s| (s.start, s.rows)).collect()
+    }
+
     /// The attention of every query row of `qkv` over its own sequence's cache in `kv`: `[rows, heads · d]`.
     fn attend(&self, qkv: &Tensor, kv: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
         if self.fused {
@@ -575,10 +575,9 @@ impl Llama {
             bail!("layer {l} does not exist (the model has {})", c.layers);
         }
         let mut x = self.embed(tokens)?;
-        let runs: Vec<(usize, usize)> = caches.iter().zip(rows).map(|(k, &n)| (k.len, n)).collect();
-        let rope = self.rope.runs(&runs, &self.device)?;
         let mut captured = vec![None; capture.len()];
         Cache::extend(caches, rows, |buffers, placed| {
+            let rope = self.rope.runs(&placed.runs(), &self.device)?;
             for (i, (layer, kv)) in self.layers.iter().zip(buffers).enumerate() {
                 for (slot, _) in capture.iter().enumerate().filter(|(_, &l)| l == i) {
                     captured[slot] = Some(x.clone());
