@@ -15,9 +15,13 @@
 #      measured read bandwidth sets for the bytes it must read (printed as a table after the JSON); then the
 #      batched speculative loop at B = 1, 8, 32, 64 (steps/s, and the minutes the llama31-eagle preset's sampled
 #      cells with 5 repeats would take at that speed for mean acceptance lengths 1.5–3)
-#   4. a sweep of a synthetic target drafted by its first three layers on the GPU (candle engine, f32) against the
-#      same sweep on the CPU engine: `check` must pass and every T = 0 record must be identical (exit 1 otherwise);
-#      scripts/compare-sweeps.py also says how close the sampled records are
+#   4. sweeps of a synthetic target on the GPU (candle engine, f32) against the same sweeps on the CPU engine, drafted
+#      three ways: by the target's first three layers (a draft model), and by an EAGLE-1 and an EAGLE-3 head built
+#      from its first layer (`synthetic-model --eagle-head/--eagle3-head`: random heads' drafts are almost never
+#      accepted, and records of nothing accepted agree whatever was drafted), 8 slots a batch, so the GPU feeds the
+#      slots' EAGLE drafts together: `check` must pass and every T = 0 record must be identical (exit 1 otherwise);
+#      scripts/compare-sweeps.py also says how close the sampled records are. The three pairs took 97 s on the 2-core
+#      development machine with the candle engine on the CPU standing in for the GPU (2026-12-02).
 # Usage: scripts/gpu-check.sh FRSPEC_BINARY[.xz] OUT_DIR   (figures and logs go to OUT_DIR)
 # scripts/gpu-build.sh makes .gpu/frspec.xz, small enough to travel to a GPU machine with the checkout.
 set -euo pipefail
@@ -82,10 +86,10 @@ for l in b["batched"]:
     print(f"{l['batch']:<16} {l['steps_per_sec']:>9.1f} {l['tok_s']:>9.1f}" + "".join(f" {m:>15.1f}" for m in l["preset_minutes"]))
 PY
 
-echo "== 4. a sweep on the GPU (candle engine, f32) against the same sweep on the CPU engine"
-# The byte tokenizer has 258 ids; a model of that vocabulary matches the frequency file counted with it. Its first
-# three layers draft (accepted often enough for the counts to say something).
-"$bin" synthetic-model --out "$work/sweep-target" --hidden 512 --layers 6 --vocab 258 --seed 7 >/dev/null
+echo "== 4. sweeps on the GPU (candle engine, f32) against the same sweeps on the CPU engine"
+# The byte tokenizer has 258 ids; a model of that vocabulary matches the frequency file counted with it.
+"$bin" synthetic-model --out "$work/sweep-target" --hidden 512 --layers 6 --vocab 258 --seed 7 \
+  --eagle-head "$work/eagle1" --eagle3-head "$work/eagle3" >/dev/null
 python3 - "$work" <<'PY'
 import json, pathlib, sys
 work = pathlib.Path(sys.argv[1])
@@ -96,12 +100,22 @@ with open(work / "questions.jsonl", "w") as f:
 (work / "corpus.txt").write_text("\n".join(f"The {t} and the words we use to tell of {t}, again and again." for t in topics * 20))
 PY
 "$bin" freq build --tokenizer "$work/sweep-target" --corpus "$work/corpus.txt" --out "$work/freq.safetensors" >/dev/null
-sweep=(sweep --model "$work/sweep-target" --draft-kind truncated:3 --freq "$work/freq.safetensors"
-       --dataset "$work/questions.jsonl" --ratios 0,0.5,0.9 --temperatures 0,1 --repeats 2 --max-new-tokens 48 --k 4 --quiet)
-"$bin" "${sweep[@]}" --out "$out/sweep-cpu" > "$out/sweep-cpu.txt"
-"$bin" "${sweep[@]}" --device cuda --dtype f32 --out "$out/sweep-cuda" > "$out/sweep-cuda.txt"
-"$bin" check --baseline "$out/sweep-cpu" --current "$out/sweep-cuda" > "$out/sweep-check.txt" || status=1
-tail -n 3 "$out/sweep-check.txt"
-python3 "$(dirname "$0")/compare-sweeps.py" "$out/sweep-cpu" "$out/sweep-cuda" | tee "$out/sweep-compare.txt" || status=1
+compare_engines() {
+  local name=$1
+  shift
+  local sweep=(sweep --model "$work/sweep-target" "$@" --freq "$work/freq.safetensors" --dataset "$work/questions.jsonl"
+               --ratios 0,0.5,0.9 --temperatures 0,1 --repeats 2 --max-new-tokens 48 --k 4 --batch 8 --quiet)
+  echo "-- drafted by $name"
+  "$bin" "${sweep[@]}" --out "$out/sweep-$name-cpu" > "$out/sweep-$name-cpu.txt"
+  "$bin" "${sweep[@]}" --device cuda --dtype f32 --out "$out/sweep-$name-cuda" > "$out/sweep-$name-cuda.txt"
+  "$bin" check --baseline "$out/sweep-$name-cpu" --current "$out/sweep-$name-cuda" > "$out/sweep-$name-check.txt" || status=1
+  grep "T=0 mean acceptance length" "$out/sweep-$name-cuda.txt" || true
+  tail -n 3 "$out/sweep-$name-check.txt"
+  python3 "$(dirname "$0")/compare-sweeps.py" "$out/sweep-$name-cpu" "$out/sweep-$name-cuda" \
+    | tee "$out/sweep-$name-compare.txt" || status=1
+}
+compare_engines truncated3 --draft-kind truncated:3
+compare_engines eagle1 --draft-kind eagle --draft "$work/eagle1"
+compare_engines eagle3 --draft-kind eagle3 --draft "$work/eagle3"
 
 exit $status

@@ -347,6 +347,13 @@ pub enum Command {
         vocab: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Also write an EAGLE-1 head built from the model's first layer (it drafts well enough for sweeps of two
+        /// engines to be compared).
+        #[arg(long)]
+        eagle_head: Option<PathBuf>,
+        /// Also write an EAGLE-3 head built the same way, over a draft vocabulary without every seventh id.
+        #[arg(long)]
+        eagle3_head: Option<PathBuf>,
     },
     /// Token-frequency files that rank the vocabulary for pruning.
     #[command(subcommand)]

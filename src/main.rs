@@ -205,7 +205,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             eprintln!("pass: {} comparisons within what the tolerance and intervals allow", rows.len());
         }
-        Command::SyntheticModel { out, hidden, layers, vocab, seed } => {
+        Command::SyntheticModel { out, hidden, layers, vocab, seed, eagle_head, eagle3_head } => {
             if hidden == 0 || hidden % 64 != 0 || layers == 0 || vocab < 258 {
                 bail!("--hidden must be a positive multiple of 64, --layers at least 1 and --vocab at least 258");
             }
@@ -213,6 +213,13 @@ fn run(cli: Cli) -> Result<()> {
             let shape = frspec::synthetic::Shape { hidden, intermediate: 2 * hidden, layers, heads, kv_heads: heads / 2, vocab, tied: false, qkv_bias: false };
             frspec::synthetic::write_model(&out, &shape, seed, candle_core::DType::F32)?;
             println!("{}", out.display());
+            use frspec::synthetic::HeadKind;
+            for (dir, kind) in [(eagle_head, HeadKind::Eagle1), (eagle3_head, HeadKind::Eagle3)] {
+                if let Some(dir) = dir {
+                    frspec::synthetic::write_first_layer_head(&dir, &shape, seed, kind)?;
+                    println!("{}", dir.display());
+                }
+            }
         }
         Command::Bench(BenchCommand::Decode {
             model,

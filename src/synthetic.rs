@@ -152,3 +152,76 @@ pub fn write_eagle_head(dir: &Path, shape: &Shape, seed: u64) -> Result<()> {
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     Ok(())
 }
+
+/// Which EAGLE head `write_first_layer_head` builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadKind {
+    Eagle1,
+    Eagle3,
+}
+
+/// An EAGLE head for the model `write_model(_, shape, seed, _)` writes, built from that model's weights so that it
+/// drafts roughly what the target's first layer alone would: a random head's drafts are almost never accepted, and
+/// records where nothing is accepted agree whatever two engines drafted, so comparing engines needs a head that
+/// drafts well.
+/// - EAGLE-1: fc passes the next token's embedding and drops the feature; the layer is the target's first (without
+///   its input norm, which EAGLE-1 heads do not have), read through the target's own norm and LM head.
+/// - EAGLE-3: its residual starts from fc's output, which cannot carry the next token (the streams are the previous
+///   position's), so fc is zero and the attention copies the next token's embedding in: every head reads its own
+///   slice of the normed embedding as query, key and value (as many key/value heads as query heads), so a position
+///   attends to itself, or to the same token elsewhere, which has the same value. Then the first layer's MLP, and
+///   the target's final norm and LM head over a draft vocabulary without every seventh id (so d2t's offsets are
+///   not all zero).
+pub fn write_first_layer_head(dir: &Path, shape: &Shape, seed: u64, kind: HeadKind) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let (h, target) = (shape.hidden, weights(shape, seed));
+    let layer0 = |name: &str| target[&format!("model.layers.0.{name}")].clone();
+    let tensor = |(dims, values): (Vec<usize>, Vec<f32>)| Tensor::from_vec(values, dims, &Device::Cpu);
+    let mut tensors = std::collections::HashMap::new();
+    let mut config = json!({
+        "architectures": ["LlamaForCausalLM"], "bias": false, "hidden_size": h, "intermediate_size": shape.intermediate,
+        "num_hidden_layers": 1, "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+    });
+    let own = ["self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"];
+    match kind {
+        HeadKind::Eagle1 => {
+            for name in own.iter().chain(&["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]) {
+                tensors.insert(format!("layers.0.{name}"), tensor(layer0(name))?);
+            }
+            let fc: Vec<f32> = (0..h).flat_map(|r| (0..2 * h).map(move |c| if c == r { 1.0 } else { 0.0 })).collect();
+            tensors.insert("fc.weight".into(), tensor((vec![h, 2 * h], fc))?);
+        }
+        HeadKind::Eagle3 => {
+            for name in &own[1..] {
+                tensors.insert(format!("midlayer.{name}"), tensor(layer0(name))?);
+            }
+            // The query scale makes a position's score with itself (|q|² / √d ≈ 4 · 32 / √32 ≈ 23) stand far above
+            // its score with another token (≈ N(0, 4)), so the softmax copies.
+            let widened = |scale: f32| (0..h).flat_map(|r| (0..2 * h).map(move |c| if c == r { scale } else { 0.0 })).collect::<Vec<_>>();
+            tensors.insert("midlayer.self_attn.q_proj.weight".into(), tensor((vec![h, 2 * h], widened(2.0)))?);
+            tensors.insert("midlayer.self_attn.k_proj.weight".into(), tensor((vec![h, 2 * h], widened(2.0)))?);
+            tensors.insert("midlayer.self_attn.v_proj.weight".into(), tensor((vec![h, 2 * h], widened(1.0)))?);
+            let (_, embedding) = &target["model.embed_tokens.weight"];
+            let rms = (embedding.iter().map(|v| v * v).sum::<f32>() / embedding.len() as f32).sqrt();
+            let o = (0..h).flat_map(|r| (0..h).map(move |c| if c == r { rms } else { 0.0 })).collect();
+            tensors.insert("midlayer.self_attn.o_proj.weight".into(), tensor((vec![h, h], o))?);
+            tensors.insert("midlayer.input_layernorm.weight".into(), tensor((vec![h], vec![1.0; h]))?);
+            tensors.insert("midlayer.hidden_norm.weight".into(), tensor((vec![h], vec![1.0; h]))?);
+            tensors.insert("norm.weight".into(), tensor(target["model.norm.weight"].clone())?);
+            tensors.insert("fc.weight".into(), tensor((vec![h, 3 * h], vec![0.0; 3 * h * h]))?);
+            let ids: Vec<usize> = (0..shape.vocab).filter(|id| id % 7 != 3).collect();
+            let (_, head) = &target[if shape.tied { "model.embed_tokens.weight" } else { "lm_head.weight" }];
+            let rows = ids.iter().flat_map(|&id| head[id * h..(id + 1) * h].iter().copied()).collect();
+            tensors.insert("lm_head.weight".into(), tensor((vec![ids.len(), h], rows))?);
+            let d2t: Vec<i64> = ids.iter().enumerate().map(|(d, &t)| t as i64 - d as i64).collect();
+            tensors.insert("d2t".into(), Tensor::from_vec(d2t, ids.len(), &Device::Cpu)?);
+            config["architectures"] = json!(["LlamaForCausalLMEagle3"]);
+            config["draft_vocab_size"] = json!(ids.len());
+            config["num_key_value_heads"] = json!(shape.heads);
+        }
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}

@@ -41,8 +41,13 @@ impl Fixture {
 
     /// A sweep command writing into `out` with the draft `draft` names, with extra flags.
     fn sweep_drafting(&self, out: &Path, draft: &[&str], extra: &[&str]) -> Command {
+        self.sweep_of(&self.path("target"), out, draft, extra)
+    }
+
+    /// `sweep_drafting` with another target.
+    fn sweep_of(&self, target: &str, out: &Path, draft: &[&str], extra: &[&str]) -> Command {
         let mut cmd = frspec();
-        cmd.args(["sweep", "--model", &self.path("target")]);
+        cmd.args(["sweep", "--model", target]);
         cmd.args(draft);
         cmd.args(["--freq", &self.path("freq.safetensors"), "--dataset", &self.path("questions.jsonl")]);
         cmd.args(["--k", "3", "--draft-mode", "sample", "--seed", "7", "--quiet", "--out", out.to_str().unwrap()]);
@@ -302,16 +307,9 @@ fn a_sweep_on_the_candle_engine_passes_check_against_the_cpu_engines_and_reruns_
     let (code, stdout, stderr) = check(&cpu, &a);
     assert_eq!(code, Some(0), "{stdout}{stderr}");
     // At T = 0 the engines agree record for record on this model (the counts; timings differ).
-    let counts = |dir: &Path| {
-        let runs = frspec::outputs::store::read(&dir.join("runs.parquet")).unwrap();
-        let t0 = runs.column("temperature").unwrap().f32().unwrap().into_no_null_iter().map(|t| t == 0.0).collect::<Vec<_>>();
-        let col = |c: &str| runs.column(c).unwrap().u64().unwrap().into_no_null_iter().collect::<Vec<u64>>();
-        let (drafts, accepted, generated) = (col("drafts"), col("accepted"), col("generated"));
-        (0..runs.height()).filter(|&i| t0[i]).map(|i| (drafts[i], accepted[i], generated[i])).collect::<Vec<_>>()
-    };
-    let want = counts(&cpu);
+    let want = t0_counts(&cpu);
     assert!(!want.is_empty() && want.iter().any(|c| c.1 > 0) && want.iter().any(|c| c.1 < 3 * c.0), "{want:?}");
-    assert_eq!(counts(&a), want);
+    assert_eq!(t0_counts(&a), want);
     let manifest: serde_json::Value = serde_json::from_slice(&bytes(&a, "manifest.json")).unwrap();
     assert_eq!((manifest["settings"]["engine"].as_str(), manifest["hardware"]["engine"].as_str()), (Some("candle"), Some("candle")), "{manifest}");
     assert_eq!(manifest["hardware"]["dtype"].as_str(), Some("f32"));
@@ -335,6 +333,42 @@ fn a_sweep_on_the_candle_engine_passes_check_against_the_cpu_engines_and_reruns_
         assert_eq!(out.status.code(), Some(1), "{flags:?}: {stderr}");
         assert!(stderr.contains(message), "{flags:?}: {stderr}");
         assert!(!out_dir.exists(), "{flags:?}: a refused sweep leaves no folder");
+    }
+}
+
+/// (drafts, accepted, generated) of every T = 0 record of the sweep in `dir`, in table order.
+fn t0_counts(dir: &Path) -> Vec<(u64, u64, u64)> {
+    let runs = frspec::outputs::store::read(&dir.join("runs.parquet")).unwrap();
+    let t0 = runs.column("temperature").unwrap().f32().unwrap().into_no_null_iter().map(|t| t == 0.0).collect::<Vec<_>>();
+    let col = |c: &str| runs.column(c).unwrap().u64().unwrap().into_no_null_iter().collect::<Vec<u64>>();
+    let (drafts, accepted, generated) = (col("drafts"), col("accepted"), col("generated"));
+    (0..runs.height()).filter(|&i| t0[i]).map(|i| (drafts[i], accepted[i], generated[i])).collect()
+}
+
+#[test]
+fn eagle_heads_built_from_a_synthetic_target_draft_well_and_sweep_alike_on_both_engines() {
+    // gpu-check.sh compares EAGLE drafts fed together on the GPU with the CPU engine's through such heads (a GPU
+    // machine has no real weights); here the candle engine on the CPU device stands in for the GPU.
+    let f = Fixture::new(3);
+    let (target, eagle1, eagle3) = (f.path("target4"), f.path("eagle1"), f.path("eagle3"));
+    let mut make = frspec();
+    make.args(["synthetic-model", "--out", &target, "--hidden", "64", "--layers", "4", "--vocab", "260", "--seed", "1"]);
+    make.args(["--eagle-head", &eagle1, "--eagle3-head", &eagle3]);
+    ok(make);
+    for (kind, head) in [("eagle", &eagle1), ("eagle3", &eagle3)] {
+        let draft = ["--draft-kind", kind, "--draft", head];
+        let (cpu, candle) = (f.dir.path().join(format!("{kind}-cpu")), f.dir.path().join(format!("{kind}-candle")));
+        ok(f.sweep_of(&target, &cpu, &draft, &SMALL));
+        let on_candle: Vec<&str> = SMALL.iter().copied().chain(["--engine", "candle"]).collect();
+        ok(f.sweep_of(&target, &candle, &draft, &on_candle));
+        let (code, stdout, stderr) = check(&cpu, &candle);
+        assert_eq!(code, Some(0), "{kind}: {stdout}{stderr}");
+        let want = t0_counts(&cpu);
+        // What the heads are built for: a random head's drafts are almost never accepted (then any two engines'
+        // records agree); these are, at a fifth of the draft steps or more.
+        let (drafts, accepted) = want.iter().fold((0, 0), |(d, a), c| (d + c.0, a + c.1));
+        assert!(accepted * 5 >= drafts && want.iter().any(|c| c.1 < 3 * c.0), "{kind}: {want:?}");
+        assert_eq!(t0_counts(&candle), want, "{kind}");
     }
 }
 
