@@ -13,8 +13,10 @@
 #      k + 1 = 5 and 64 tokens, and the speculative loop with a random EAGLE-1 head at each ratio (its tokens/s and
 #      drafting time; acceptance is meaningless with random weights, speed is not), each against the limit the
 #      measured read bandwidth sets for the bytes it must read (printed as a table after the JSON); then the
-#      batched speculative loop at B = 1, 8, 32, 64 (steps/s, and the minutes the llama31-eagle preset's sampled
-#      cells with 5 repeats would take at that speed for mean acceptance lengths 1.5–3)
+#      batched speculative loop at B = 1, 8, 32, 64, at T = 0 and T = 1 (steps/s, and the minutes the llama31-eagle
+#      preset's sampled cells with 5 repeats and 2 turns would take at that speed for mean acceptance lengths 1.5–3;
+#      at T = 1 the loop brings k + 1 rows of 128,256 logits a sequence and step to the host and computes their
+#      distributions there, which T = 0's row leaves out)
 #   4. sweeps of a synthetic target on the GPU (candle engine, f32) against the same sweeps on the CPU engine, drafted
 #      three ways: by the target's first three layers (a draft model), and by an EAGLE-1 and an EAGLE-3 head built
 #      from its first layer (`synthetic-model --eagle-head/--eagle3-head`: random heads' drafts are almost never
@@ -81,9 +83,9 @@ for v in b["verify"]:
 for d in b["drafts"]:
     print(f"{'EAGLE-1 draft, ratio ' + str(d['ratio']):<28} {1e3 * d['draft_step_secs']:>9.3f} {1e3 * d['draft_limit_secs']:>9.3f} {100 * d['draft_share']:>6.1f}%   loop {d['loop_tok_s']:.1f} tokens/s")
 lengths = b["acceptance_lengths"]
-print(f"{'batched loop, B':<16} {'steps/s':>9} {'tokens/s':>9}" + "".join(f" {'preset min@' + str(l):>15}" for l in lengths))
+print(f"{'batched loop, T':<16} {'B':>4} {'steps/s':>9} {'tokens/s':>9}" + "".join(f" {'preset min@' + str(l):>15}" for l in lengths))
 for l in b["batched"]:
-    print(f"{l['batch']:<16} {l['steps_per_sec']:>9.1f} {l['tok_s']:>9.1f}" + "".join(f" {m:>15.1f}" for m in l["preset_minutes"]))
+    print(f"{l['temperature']:<16} {l['batch']:>4} {l['steps_per_sec']:>9.1f} {l['tok_s']:>9.1f}" + "".join(f" {m:>15.1f}" for m in l["preset_minutes"]))
 PY
 
 echo "== 4. sweeps on the GPU (candle engine, f32) against the same sweeps on the CPU engine"

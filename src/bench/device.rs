@@ -193,26 +193,31 @@ pub struct DecodeSettings<'a> {
     pub batches: &'a [usize],
 }
 
-/// The speculative loop decoding several sequences together (ratio 0, greedy, random head).
+/// The speculative loop decoding several sequences together (ratio 0, argmax drafts, random head), at T = 0 or
+/// T = 1: the sweep's sampled cells verify with the target's distributions, which the loop computes on the host from
+/// the block's logits brought back (k + 1 rows of the vocabulary a sequence and step), where T = 0 brings back the same
+/// rows and takes their argmax.
 #[derive(Clone, Debug, Serialize)]
 pub struct BatchedLoop {
     pub batch: usize,
+    pub temperature: f64,
     /// Speculative steps per second, all sequences together (a step drafts k tokens and verifies k + 1 per sequence).
     pub steps_per_sec: f64,
     /// Tokens per second with this random head (about one a step).
     pub tok_s: f64,
-    /// Minutes the `llama31-eagle` preset's sampled cells (6 ratios × 80 MT-Bench prompts × 5 repeats × 256 tokens)
-    /// take at these steps/s, at each of the bench's acceptance lengths.
+    /// Minutes the `llama31-eagle` preset's sampled cells (6 ratios × 80 MT-Bench prompts × 5 repeats × 2 turns × 256
+    /// tokens) take at these steps/s, at each of the bench's acceptance lengths: the T = 1 row is the estimate, the
+    /// T = 0 row what it would be if sampling cost nothing.
     pub preset_minutes: Vec<f64>,
 }
 
 /// Tokens the `llama31-eagle` preset decodes speculatively with `--repeats 5`: its 6 ratios × MT-Bench's 80 prompts ×
-/// 5 repeats × 256 new tokens at T = 1 (T = 0 runs once through the fast path).
-const LLAMA31_PRESET_SAMPLED_TOKENS: f64 = 6.0 * 80.0 * 5.0 * 256.0;
+/// 5 repeats × 2 turns × up to 256 new tokens at T = 1 (T = 0 runs once through the fast path).
+const LLAMA31_PRESET_SAMPLED_TOKENS: f64 = 6.0 * 80.0 * 5.0 * 2.0 * 256.0;
 
-/// Steps/s of the batched speculative loop with `batch` slots of a random EAGLE-1 head: `batch` turns of up to
-/// `s.new_tokens` each, after one untimed round.
-fn batched_loop(model: &Llama, eagle: &DraftWeights, s: &DecodeSettings, batch: usize) -> Result<BatchedLoop> {
+/// Steps/s of the batched speculative loop with `batch` slots of a random EAGLE-1 head at `temperature`: `batch` turns
+/// of up to `s.new_tokens` each, after one untimed round.
+fn batched_loop(model: &Llama, eagle: &DraftWeights, s: &DecodeSettings, batch: usize, temperature: f64) -> Result<BatchedLoop> {
     /// The same prompt `left` more times; tokens and steps of the turns that finished.
     struct Repeated<'h> {
         left: usize,
@@ -238,7 +243,7 @@ fn batched_loop(model: &Llama, eagle: &DraftWeights, s: &DecodeSettings, batch: 
     }
     let mut drafts: Vec<_> = (0..batch).map(|_| eagle.instance(model)).collect();
     let head = DraftHead::new(drafts[0].lm_head(), None, HeadMode::Slice)?;
-    let cfg = SpecConfig { k: s.k, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: s.new_tokens };
+    let cfg = SpecConfig { k: s.k, mode: DraftMode::Argmax, sampling: Sampling::new(temperature as f32, 1.0)?, max_new_tokens: s.new_tokens };
     let mut slots: Vec<&mut dyn crate::speculative::Draft<Llama>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
     let mut timed = None;
     for _ in 0..2 {
@@ -251,6 +256,7 @@ fn batched_loop(model: &Llama, eagle: &DraftWeights, s: &DecodeSettings, batch: 
     let steps_per_sec = turns.steps as f64 / secs;
     Ok(BatchedLoop {
         batch,
+        temperature,
         steps_per_sec,
         tok_s: turns.tokens as f64 / secs,
         preset_minutes: s.acceptance_lengths.iter().map(|l| LLAMA31_PRESET_SAMPLED_TOKENS / l / steps_per_sec / 60.0).collect(),
@@ -345,7 +351,7 @@ pub fn decode(model: &Llama, weights: &str, s: &DecodeSettings, engine: Option<&
         });
     }
 
-    let batched = s.batches.iter().map(|&b| batched_loop(model, &eagle, s, b)).collect::<Result<Vec<_>>>()?;
+    let batched = [0.0, 1.0].iter().flat_map(|&t| s.batches.iter().map(move |&b| (b, t))).map(|(b, t)| batched_loop(model, &eagle, s, b, t)).collect::<Result<Vec<_>>>()?;
 
     let agreement = engine
         .map(|m| -> Result<Agreement> {

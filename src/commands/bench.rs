@@ -137,11 +137,11 @@ pub fn decode(r: &Decode) -> Result<bool> {
             println!("{:>6} {:>8} {draft_ms:>10.3} {limit_ms:>10.3} {share:>7} {step_ms:>10.3} {:>11.1} {:>11.2} {projected}", d.ratio, d.kept, d.loop_tok_s, d.break_even_length);
         }
         let header: String = r.lengths.iter().map(|l| format!("{:>11}", format!("min@{l}"))).collect();
-        println!("batched loop (ratio 0, k {}): minutes the llama31-eagle preset's sampled cells would take at this speed (at --shape llama31-8b)", b.k);
-        println!("{:>6} {:>10} {:>11} {header}", "batch", "steps/s", "tokens/s");
+        println!("batched loop (ratio 0, k {}): minutes the llama31-eagle preset's sampled cells would take at this speed (at --shape llama31-8b; T = 1 is the estimate)", b.k);
+        println!("{:>4} {:>6} {:>10} {:>11} {header}", "T", "batch", "steps/s", "tokens/s");
         for l in &b.batched {
             let minutes: String = l.preset_minutes.iter().map(|m| format!("{m:>11.1}")).collect();
-            println!("{:>6} {:>10.1} {:>11.1} {minutes}", l.batch, l.steps_per_sec, l.tok_s);
+            println!("{:>4} {:>6} {:>10.1} {:>11.1} {minutes}", l.temperature, l.batch, l.steps_per_sec, l.tok_s);
         }
         if let Some(a) = &b.agreement {
             match a.first_difference {
