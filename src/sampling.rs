@@ -86,7 +86,12 @@ pub fn argmax(values: &[f32]) -> u32 {
 
 /// Draw an index from `probs` (which sums to 1) with one uniform number from `rng`.
 pub fn draw(probs: &[f32], rng: &mut (impl rand::Rng + ?Sized)) -> u32 {
-    let u: f64 = rng.random();
+    draw_with(probs, rng.random())
+}
+
+/// Draw an index from `probs` (which sums to 1) with the uniform number `u` in [0, 1): the first index where the
+/// running sum passes u.
+pub fn draw_with(probs: &[f32], u: f64) -> u32 {
     let mut acc = 0f64;
     let mut last_nonzero = 0;
     for (i, p) in probs.iter().enumerate() {

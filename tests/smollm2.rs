@@ -6,7 +6,7 @@ use frspec::text::chat::Message;
 use frspec::speculative::generate::{generate, StopReason};
 use frspec::sampling::Sampling;
 use frspec::loading::target::Target;
-use rand::SeedableRng;
+use rand::{RngExt, SeedableRng};
 use std::sync::OnceLock;
 
 fn target() -> &'static Target {
@@ -149,12 +149,8 @@ fn sampled_continuations_decoded_together_get_what_each_gets_alone() {
     };
     let alone: Vec<Vec<u32>> = (0..4).map(|i| generate(&t.model, &t.tokenizer.stop_ids, &prefix, 24, sampling, &mut stream(i)).unwrap().tokens).collect();
     let mut streams: Vec<_> = (0..4).map(stream).collect();
-    let (mut probs, mut order) = (Vec::new(), Vec::new());
-    let together = frspec::speculative::decode::continuations(&t.model, &t.tokenizer.stop_ids, &vec![prefix.as_slice(); 4], 24, &[], &mut |i, logits| {
-        sampling.distribution(logits, &mut probs, &mut order);
-        frspec::sampling::draw(&probs, &mut streams[i])
-    })
-    .unwrap();
+    let together = frspec::speculative::decode::continuations(&t.model, &t.tokenizer.stop_ids, &vec![prefix.as_slice(); 4], 24, &[], sampling, &mut |i| streams[i].random())
+        .unwrap();
     for (answer, c) in alone.iter().zip(&together) {
         assert_eq!(c.tokens, [&prefix[..], &answer[..]].concat());
     }

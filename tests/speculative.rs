@@ -246,6 +246,11 @@ fn speculative_sampling_matches_the_target_distribution_on_both_engines_and_the_
     let cases = [(DraftMode::Sample, Some(half.clone())), (DraftMode::Argmax, Some(half.clone())), (DraftMode::Sample, None)];
     assert_sampling_matches(&target, draft.boxed().as_mut(), &cases, &exact, &prompt, sampling, "cpu");
     assert_sampling_matches(&llama, on_candle.as_mut(), &cases[..1], &exact, &prompt, sampling, "candle");
+    // At top-p 1 the candle engine verifies argmax drafts where the logits are (softmax, p(x), and the recovery's draw
+    // from p without x); top-p and the draft's q go through the host's code above.
+    let whole = Sampling::new(0.9, 1.0).unwrap();
+    let exact_whole = exact_marginals(&target, &prompt, whole);
+    assert_sampling_matches(&llama, on_candle.as_mut(), &[(DraftMode::Argmax, Some(half.clone()))], &exact_whole, &prompt, whole, "candle, on the device");
 
     // An accept-everything verifier emits the draft's own samples: the same test must reject them.
     let (_d2, _, draft_model) = tiny_pair();

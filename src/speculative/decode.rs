@@ -4,8 +4,9 @@
 
 use super::draft::{choose_many, Choice, Context, Draft, DraftHead, DraftMode, Feed, Proposal};
 use super::generate::StopReason;
+use super::logits::{DrawRequest, LogitRows, Without};
 use super::{Block, HeadRows, Positions, Row, TargetModel};
-use crate::sampling::{draw, Sampling};
+use crate::sampling::Sampling;
 use crate::stats::{Counts, Metric};
 use anyhow::{bail, Result};
 use rand::{RngExt, SeedableRng};
@@ -150,17 +151,15 @@ struct Slot<'h, T: TargetModel> {
     tokens: Vec<u32>,
     cache: T::Cache,
     features: T::Features,
-    /// This step's block for the target, the rows of it whose logits come back, and those logits.
+    /// This step's block for the target, the rows of it whose logits it decides with, and where they start among
+    /// the step's logit rows.
     block: Vec<u32>,
     rows: Vec<usize>,
-    logits: Vec<f32>,
+    first_row: usize,
     /// Drafts proposed this step, and the token count before it.
     k: usize,
     n: usize,
     proposal: Proposal,
-    p: Vec<f32>,
-    residual: Vec<f32>,
-    order: Vec<u32>,
 }
 
 impl<T: TargetModel> Slot<'_, T> {
@@ -205,16 +204,14 @@ where
             features: target.new_features(&layers),
             block: Vec::new(),
             rows: Vec::new(),
-            logits: Vec::new(),
+            first_row: 0,
             k: 0,
             n: 0,
             proposal: Proposal::default(),
-            p: Vec::new(),
-            residual: Vec::new(),
-            order: Vec::new(),
         })
         .collect();
     let mut side_by_side = SideBySide::<T>::new();
+    let mut verifying = Verifying::<T>::default();
     let stopped = |t: u32| stop_ids.contains(&t);
     loop {
         // Turns out of new tokens or context end before drafting.
@@ -276,28 +273,32 @@ where
         }
 
         let t = Instant::now();
-        let mut blocks: Vec<Block<T>> = slots
-            .iter_mut()
-            .filter(|s| s.turn.is_some())
-            .map(|s| Block { tokens: &s.block, cache: &mut s.cache, logit_rows: &s.rows, features: Some(&mut s.features), logits: &mut s.logits })
-            .collect();
-        target.forward_blocks(&mut blocks)?;
+        let mut blocks: Vec<Block<T>> = Vec::with_capacity(active);
+        let mut first_row = 0;
+        for s in slots.iter_mut().filter(|s| s.turn.is_some()) {
+            s.first_row = first_row;
+            first_row += s.rows.len();
+            blocks.push(Block { tokens: &s.block, cache: &mut s.cache, logit_rows: &s.rows, features: Some(&mut s.features) });
+        }
+        target.forward_blocks(&mut blocks, &mut verifying.logits)?;
         drop(blocks);
+        verifying.decide(&mut slots, cfg, stop_ids)?;
         let shared = t.elapsed().as_secs_f64() / active as f64;
 
+        let mut drawn = verifying.drawn.iter();
         for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()).filter(|(s, _)| s.turn.is_some()) {
             let t = Instant::now();
+            let verdict = *drawn.next().expect("one verdict a slot");
             if slot.prefilling() {
                 let turn = slot.turn.as_mut().expect("filtered");
-                cfg.sampling.distribution(&slot.logits, &mut slot.p, &mut slot.order);
-                let first = draw(&slot.p, &mut turn.rng);
+                let first = verdict.next.expect("a prefilled turn draws its first token");
                 slot.tokens.push(first);
                 if stopped(first) {
                     turn.rec.stop = Some(StopReason::EndOfTurn);
                 }
             } else {
-                let accepted = verify(slot, cfg, stop_ids, v)?;
-                draft.rollback(slot.n, accepted)?;
+                slot.accept(verdict, stop_ids)?;
+                draft.rollback(slot.n, verdict.accepted)?;
             }
             let turn = slot.turn.as_mut().expect("still held");
             turn.rec.target_secs += shared + t.elapsed().as_secs_f64();
@@ -305,6 +306,117 @@ where
                 finish(slot, turns)?;
             }
         }
+    }
+}
+
+/// What the loop verifies with: the step's logit rows where the target keeps them, and the buffers of the questions
+/// it asks them, reused from step to step.
+struct Verifying<T: TargetModel> {
+    logits: T::Logits,
+    picks: Vec<(usize, u32)>,
+    probabilities: Vec<f32>,
+    tokens: Vec<u32>,
+    /// Per running slot, in order.
+    drawn: Vec<Verdict>,
+}
+
+/// A slot's step: the drafts it accepted, and the token drawn after them (the first after a prompt; None when the
+/// last accepted draft ended the turn).
+#[derive(Clone, Copy)]
+struct Verdict {
+    accepted: usize,
+    next: Option<u32>,
+}
+
+impl<T: TargetModel> Default for Verifying<T> {
+    fn default() -> Self {
+        Verifying { logits: T::Logits::default(), picks: Vec::new(), probabilities: Vec::new(), tokens: Vec::new(), drawn: Vec::new() }
+    }
+}
+
+impl<T: TargetModel> Verifying<T> {
+    /// Every running slot's verdict on its drafts (rejection sampling: each draft x accepted with probability
+    /// min(1, p(x) / q(x)), the first rejected one replaced by a draw from norm(max(0, p − q)), a bonus token drawn
+    /// from p when all are accepted) and its first token after a prompt. The target is asked twice for all slots
+    /// together: every draft's p(x), then every draw. A slot takes its uniform numbers from its own stream in the
+    /// order one slot alone does, and counts its step (`count_step`); `Slot::accept` applies the verdict.
+    fn decide<'h>(&mut self, slots: &mut [Slot<'h, T>], cfg: &SpecConfig, stop_ids: &[u32]) -> Result<()> {
+        self.picks.clear();
+        for s in slots.iter().filter(|s| s.turn.is_some() && !s.prefilling()) {
+            let limit = verification_limit(&s.proposal.tokens[..s.k], stop_ids);
+            self.picks.extend((0..limit).map(|i| (s.first_row + i, s.proposal.tokens[i])));
+        }
+        self.logits.probabilities(cfg.sampling, &self.picks, &mut self.probabilities)?;
+        let mut p = self.probabilities.iter().copied();
+        let mut requests = Vec::with_capacity(slots.len());
+        let mut verdicts = Vec::with_capacity(slots.len());
+        for slot in slots.iter_mut().filter(|s| s.turn.is_some()) {
+            let prefilling = slot.prefilling();
+            let Slot { turn, proposal, k, first_row, .. } = slot;
+            let proposal: &Proposal = proposal;
+            let turn = turn.as_mut().expect("filtered");
+            if prefilling {
+                requests.push(DrawRequest { row: *first_row, u: turn.rng.random(), without: Without::Nothing });
+                verdicts.push((0, true));
+                continue;
+            }
+            let limit = verification_limit(&proposal.tokens[..*k], stop_ids);
+            let (mut accepted, mut rejected) = (0, None);
+            let (mut survive, mut expected) = (1.0f64, 0.0f64);
+            for i in 0..limit {
+                let alpha = (p.next().expect("one probability a verified draft") as f64 / proposal.q_token[i] as f64).min(1.0);
+                survive *= alpha;
+                expected += survive;
+                if rejected.is_some() {
+                    continue;
+                }
+                if turn.rng.random::<f64>() < alpha {
+                    accepted += 1;
+                } else {
+                    let without = match proposal.q.get(i).filter(|q| !q.is_empty()) {
+                        Some(q) => Without::Distribution { q, ids: turn.head },
+                        None => Without::Token(proposal.tokens[i]),
+                    };
+                    rejected = Some(DrawRequest { row: *first_row + i, u: turn.rng.random(), without });
+                }
+            }
+            let ended_on_draft = rejected.is_none() && accepted > 0 && stop_ids.contains(&proposal.tokens[accepted - 1]);
+            let request = match rejected {
+                Some(r) => Some(r),
+                None if ended_on_draft => None,
+                None => Some(DrawRequest { row: *first_row + *k, u: turn.rng.random(), without: Without::Nothing }),
+            };
+            verdicts.push((accepted, request.is_some()));
+            requests.extend(request);
+            if *k > 0 {
+                turn.rec.count_step(limit, accepted, expected);
+            }
+        }
+        self.logits.draw(cfg.sampling, &requests, &mut self.tokens)?;
+        let mut tokens = self.tokens.iter().copied();
+        self.drawn.clear();
+        self.drawn.extend(verdicts.into_iter().map(|(accepted, drew)| Verdict { accepted, next: if drew { tokens.next() } else { None } }));
+        Ok(())
+    }
+}
+
+impl<T: TargetModel> Slot<'_, T> {
+    /// Apply a verdict of `Verifying::decide`: keep the drafts accepted and the token drawn after them, and roll the
+    /// cache and features back to the accepted prefix.
+    fn accept(&mut self, verdict: Verdict, stop_ids: &[u32]) -> Result<()> {
+        let turn = self.turn.as_mut().expect("a running turn");
+        let (accepted, n) = (verdict.accepted, self.n);
+        // Keep the target's positions up to the last accepted draft; the new token is fed next step.
+        self.cache.truncate(n + accepted)?;
+        self.features.truncate(n + accepted)?;
+        for &t in self.proposal.tokens[..accepted].iter().chain(verdict.next.iter()) {
+            self.tokens.push(t);
+            if stop_ids.contains(&t) {
+                turn.rec.stop = Some(StopReason::EndOfTurn);
+                break;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -405,60 +517,6 @@ impl<T: TargetModel> SideBySide<T> {
     }
 }
 
-/// Verify a slot's drafts against the target's logits of its block: accept or reject each (rejection sampling),
-/// add the recovered or bonus token, roll the cache and features back to the accepted prefix. Returns how many
-/// drafts were accepted.
-fn verify<T: TargetModel>(slot: &mut Slot<T>, cfg: &SpecConfig, stop_ids: &[u32], v: usize) -> Result<usize> {
-    let stopped = |t: u32| stop_ids.contains(&t);
-    let (k, n) = (slot.k, slot.n);
-    let turn = slot.turn.as_mut().expect("a running turn");
-    let proposal = &slot.proposal;
-    let limit = verification_limit(&proposal.tokens[..k], stop_ids);
-    let mut accepted = 0;
-    let mut next = None;
-    let mut survive = 1.0f64;
-    let mut expected = 0.0f64;
-    for i in 0..limit {
-        cfg.sampling.distribution(&slot.logits[i * v..(i + 1) * v], &mut slot.p, &mut slot.order);
-        let x = proposal.tokens[i];
-        let alpha = (slot.p[x as usize] as f64 / proposal.q_token[i] as f64).min(1.0);
-        survive *= alpha;
-        expected += survive;
-        if next.is_some() {
-            continue;
-        }
-        let u: f64 = turn.rng.random();
-        if u < alpha {
-            accepted += 1;
-        } else {
-            next = Some(recover(&slot.p, proposal, i, turn.head, &mut slot.residual, &mut turn.rng));
-        }
-    }
-    let ended_on_draft = next.is_none() && accepted > 0 && stopped(proposal.tokens[accepted - 1]);
-    let next = match next {
-        Some(t) => Some(t),
-        None if ended_on_draft => None,
-        None => {
-            cfg.sampling.distribution(&slot.logits[k * v..(k + 1) * v], &mut slot.p, &mut slot.order);
-            Some(draw(&slot.p, &mut turn.rng))
-        }
-    };
-    if k > 0 {
-        turn.rec.count_step(limit, accepted, expected);
-    }
-    // Keep the target's positions up to the last accepted draft; the new token is fed next step.
-    slot.cache.truncate(n + accepted)?;
-    slot.features.truncate(n + accepted)?;
-    for &t in proposal.tokens[..accepted].iter().chain(next.iter()) {
-        slot.tokens.push(t);
-        if stopped(t) {
-            turn.rec.stop = Some(StopReason::EndOfTurn);
-            break;
-        }
-    }
-    Ok(accepted)
-}
-
 /// Hand a slot's finished turn back and free the slot.
 fn finish<T: TargetModel>(slot: &mut Slot<T>, turns: &mut dyn Turns<'_, T::Head>) -> Result<()> {
     let mut turn = slot.turn.take().expect("a running turn");
@@ -498,36 +556,6 @@ pub fn speculative_turn<T: TargetModel>(
     Ok(one.done.expect("the loop finishes every turn it starts"))
 }
 
-/// The token emitted when draft i is rejected: a draw from norm(max(0, p − q_i)).
-fn recover<M: HeadRows>(p: &[f32], proposal: &Proposal, i: usize, head: &DraftHead<M>, residual: &mut Vec<f32>, rng: &mut dyn rand::Rng) -> u32 {
-    residual.clear();
-    residual.extend_from_slice(p);
-    match proposal.q.get(i).filter(|q| !q.is_empty()) {
-        // q over head space: subtract it at the ids it covers.
-        Some(q) => {
-            for (index, qv) in q.iter().enumerate() {
-                if *qv > 0.0 {
-                    let id = head.id(index) as usize;
-                    residual[id] = (residual[id] - qv).max(0.0);
-                }
-            }
-        }
-        // A point mass on the draft token.
-        None => {
-            let x = proposal.tokens[i] as usize;
-            residual[x] = (residual[x] - 1.0).max(0.0);
-        }
-    }
-    let total: f64 = residual.iter().map(|r| *r as f64).sum();
-    if total <= 0.0 {
-        // p ≤ q everywhere means p = q: rejection had probability zero; fall back to p itself.
-        return draw(p, rng);
-    }
-    let inv = (1.0 / total) as f32;
-    residual.iter_mut().for_each(|r| *r *= inv);
-    draw(residual, rng)
-}
-
 /// `new_tokens` greedy tokens after `prompt`, with no stop token: `next` forwards the tokens it is given on top of
 /// what it has seen (first the prompt, then each new token) and returns the argmax after the last.
 pub fn greedy_steps(prompt: &[u32], new_tokens: usize, mut next: impl FnMut(&[u32]) -> Result<u32>) -> Result<Vec<u32>> {
@@ -559,12 +587,13 @@ pub fn greedy_continuation<T: TargetModel>(target: &T, stop_ids: &[u32], prompt:
 
 /// The target's greedy continuations of several prompts, decoded together (`continuations`).
 pub fn greedy_continuations<T: TargetModel, P: AsRef<[u32]>>(target: &T, stop_ids: &[u32], prompts: &[P], max_new_tokens: usize, layers: &[usize]) -> Result<Vec<Continuation<T::Features>>> {
-    continuations(target, stop_ids, prompts, max_new_tokens, layers, &mut |_, logits| crate::sampling::argmax(logits))
+    continuations(target, stop_ids, prompts, max_new_tokens, layers, Sampling::GREEDY, &mut |_| 0.0)
 }
 
-/// Continuations of several prompts decoded together, each next token chosen by `choose(sequence, logits)`: the
-/// prompts go through the target in one `forward_blocks`, then each step forwards the newest token of every
-/// unfinished sequence in one more, so a step's pass over the weights serves them all. Where blocks do not depend
+/// Continuations of several prompts decoded together, each next token drawn from the target's distribution under
+/// `sampling` with the uniform number `uniform(sequence)`: the prompts go through the target in one `forward_blocks`,
+/// then each step forwards the newest token of every unfinished sequence in one more, so a step's pass over the
+/// weights serves them all. Where blocks do not depend
 /// on their neighbours (the CPU engine) each continuation is what its prompt gets alone, bit for bit; with a random
 /// stream per sequence a sampled one does not depend on the batch either. `secs` is the call's wall time shared
 /// equally.
@@ -574,7 +603,8 @@ pub fn continuations<T: TargetModel, P: AsRef<[u32]>>(
     prompts: &[P],
     max_new_tokens: usize,
     layers: &[usize],
-    choose: &mut dyn FnMut(usize, &[f32]) -> u32,
+    sampling: Sampling,
+    uniform: &mut dyn FnMut(usize) -> f64,
 ) -> Result<Vec<Continuation<T::Features>>> {
     let prompts: Vec<&[u32]> = prompts.iter().map(|p| p.as_ref()).collect();
     if prompts.iter().any(|p| p.is_empty()) {
@@ -586,16 +616,16 @@ pub fn continuations<T: TargetModel, P: AsRef<[u32]>>(
         tokens: Vec<u32>,
         cache: T::Cache,
         features: T::Features,
-        logits: Vec<f32>,
-        /// Tokens already through the target, and the row of the next block whose logits come back.
+        /// Tokens already through the target, and the row of the next block whose logits the next token is drawn from.
         fed: usize,
         rows: [usize; 1],
         stop: Option<StopReason>,
     }
     let mut seqs: Vec<Sequence<T>> = prompts
         .iter()
-        .map(|p| Sequence { tokens: p.to_vec(), cache: target.new_cache(), features: target.new_features(layers), logits: Vec::new(), fed: 0, rows: [p.len() - 1], stop: None })
+        .map(|p| Sequence { tokens: p.to_vec(), cache: target.new_cache(), features: target.new_features(layers), fed: 0, rows: [p.len() - 1], stop: None })
         .collect();
+    let (mut logits, mut requests, mut drawn) = (T::Logits::default(), Vec::new(), Vec::new());
     loop {
         let mut blocks: Vec<Block<T>> = seqs
             .iter_mut()
@@ -603,16 +633,22 @@ pub fn continuations<T: TargetModel, P: AsRef<[u32]>>(
             .map(|s| {
                 let tokens = &s.tokens[s.fed..];
                 s.fed = s.tokens.len();
-                Block { tokens, cache: &mut s.cache, logit_rows: &s.rows, features: Some(&mut s.features), logits: &mut s.logits }
+                Block { tokens, cache: &mut s.cache, logit_rows: &s.rows, features: Some(&mut s.features) }
             })
             .collect();
         if blocks.is_empty() {
             break;
         }
-        target.forward_blocks(&mut blocks)?;
+        target.forward_blocks(&mut blocks, &mut logits)?;
         drop(blocks);
-        for (i, (s, prompt)) in seqs.iter_mut().zip(&prompts).enumerate().filter(|(_, (s, _))| s.stop.is_none()) {
-            let next = choose(i, &s.logits);
+        requests.clear();
+        for (i, _) in seqs.iter().enumerate().filter(|(_, s)| s.stop.is_none()) {
+            requests.push(DrawRequest { row: requests.len(), u: uniform(i), without: Without::Nothing });
+        }
+        logits.draw(sampling, &requests, &mut drawn)?;
+        let mut drawn = drawn.iter().copied();
+        for (s, prompt) in seqs.iter_mut().zip(&prompts).filter(|(s, _)| s.stop.is_none()) {
+            let next = drawn.next().expect("one token a sequence");
             s.tokens.push(next);
             s.rows = [0];
             s.stop = continuation_stop(next, stop_ids, s.tokens.len() - prompt.len(), max_new_tokens, s.cache.len(), ctx_limit);

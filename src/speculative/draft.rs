@@ -146,6 +146,12 @@ impl<M: HeadRows> DraftHead<M> {
     }
 }
 
+impl<M: HeadRows> super::TokenIds for DraftHead<M> {
+    fn id(&self, index: usize) -> u32 {
+        DraftHead::id(self, index)
+    }
+}
+
 /// How drafts are chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

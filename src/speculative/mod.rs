@@ -1,18 +1,21 @@
 //! The speculative core, written once for every engine: the draft-verify loop with its counters, the T = 0 fast
 //! path, target-only generation, and FR-Spec's pruned draft heads. It knows engines only through the traits below:
-//! a target forwards token blocks over a cache that rolls back and returns the logits rows the loop asks for to the
-//! host, while its captured features stay on the engine's device; a draft catches up on accepted tokens and
-//! proposes through an LM head whose kept rows live on that device too.
+//! a target forwards token blocks over a cache that rolls back, keeps the logit rows the loop asks for and answers
+//! what the loop decides with (a draft's probability, a draw: `LogitRows`), while its captured features stay on the
+//! engine's device; a draft catches up on accepted tokens and proposes through an LM head whose kept rows live on
+//! that device too.
 //!
 //! Engines: `engine::cpu` (frspec's bit-exact kernels) and `engine::candle` (candle tensors on the CPU or a GPU).
 
 pub mod decode;
 pub mod draft;
 pub mod generate;
+pub mod logits;
 
 pub use decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
 pub use draft::{Chooser, Context, Draft, DraftHead, DraftKind, DraftMode, Feed, HeadMode, LmHead, Proposal};
 pub use generate::{generate, Generation, StopReason};
+pub use logits::{DrawRequest, HostLogits, LogitRows, TokenIds, Without};
 
 use anyhow::Result;
 
@@ -37,6 +40,8 @@ pub trait TargetModel {
     type Head: HeadRows;
     /// What a draft on this engine lets `feed_drafts` run beside its siblings (`Draft::state`).
     type DraftState;
+    /// The logit rows of `forward_blocks`, where this engine keeps them.
+    type Logits: LogitRows + Default;
 
     fn vocab(&self) -> usize;
     fn context_length(&self) -> usize;
@@ -47,15 +52,10 @@ pub trait TargetModel {
     /// `[logit_rows.len(), vocab]`.
     fn forward(&self, tokens: &[u32], cache: &mut Self::Cache, logit_rows: &[usize], features: Option<&mut Self::Features>, logits: &mut Vec<f32>) -> Result<()>;
 
-    /// Forward several sequences' blocks, each as `forward` would alone: an engine that can serves them with one
-    /// pass over its weights. A sequence's outputs must not depend on the blocks beside it where the engine's
-    /// numerics allow (the CPU engine: bit for bit). By default one `forward` per block.
-    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>]) -> Result<()> {
-        for b in blocks {
-            self.forward(b.tokens, b.cache, b.logit_rows, b.features.as_deref_mut(), b.logits)?;
-        }
-        Ok(())
-    }
+    /// Forward several sequences' blocks, each as `forward` would alone, with one pass over the weights; `logits`
+    /// gets every block's logit rows, block after block. A sequence's outputs must not depend on the blocks beside it
+    /// where the engine's numerics allow (the CPU engine: bit for bit).
+    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>], logits: &mut Self::Logits) -> Result<()>;
 
     /// Feed the drafts `slots` (ascending indices into `drafts`) at one drafting position, each its own feed, and push
     /// their head inputs to `rows` in the same order. By default one draft at a time; an engine may run drafts on the
@@ -72,13 +72,13 @@ pub trait TargetModel {
     }
 }
 
-/// One sequence's share of a batched forward: what `TargetModel::forward` takes, and where its logits go.
+/// One sequence's share of a batched forward: what `TargetModel::forward` takes but the logits, which the batch
+/// returns together.
 pub struct Block<'a, T: TargetModel + ?Sized> {
     pub tokens: &'a [u32],
     pub cache: &'a mut T::Cache,
     pub logit_rows: &'a [usize],
     pub features: Option<&'a mut T::Features>,
-    pub logits: &'a mut Vec<f32>,
 }
 
 /// Blocks laid end to end for one pass: every token, each block's row count, the blocks' logit rows as rows of the
@@ -109,24 +109,15 @@ impl Batch {
         Ok(batch)
     }
 
-    /// Hand each block its share of the pass: `append(features, first row, rows)` adds its rows to its features, and
-    /// its logits are copied from `logits` (`[logit rows, vocab]`, in batch order).
-    pub fn scatter<T: TargetModel + ?Sized>(
-        blocks: &mut [Block<'_, T>],
-        logits: &[f32],
-        vocab: usize,
-        mut append: impl FnMut(&mut T::Features, usize, usize) -> Result<()>,
-    ) -> Result<()> {
-        let (mut row, mut logit_row) = (0, 0);
+    /// Hand each block its rows of the pass: `append(features, first row, rows)` adds them to its features.
+    pub fn scatter<T: TargetModel + ?Sized>(blocks: &mut [Block<'_, T>], mut append: impl FnMut(&mut T::Features, usize, usize) -> Result<()>) -> Result<()> {
+        let mut row = 0;
         for b in blocks.iter_mut() {
             let n = b.tokens.len();
             if let Some(f) = b.features.as_deref_mut() {
                 append(f, row, n)?;
             }
-            let picked = b.logit_rows.len();
-            b.logits.clear();
-            b.logits.extend_from_slice(&logits[logit_row * vocab..(logit_row + picked) * vocab]);
-            (row, logit_row) = (row + n, logit_row + picked);
+            row += n;
         }
         Ok(())
     }

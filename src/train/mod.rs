@@ -19,7 +19,7 @@ use ops::{attention, attention_unrolled, rms_norm};
 use crate::text::chat::Message;
 use crate::speculative::generate::StopReason;
 use crate::engine::cpu::model::{Config, Model};
-use crate::sampling::{draw, Sampling};
+use crate::sampling::Sampling;
 use crate::files::write_atomic;
 use crate::loading::target::Target;
 use crate::vocab::KeepSet;
@@ -179,7 +179,6 @@ pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize,
     let tok = &target.tokenizer;
     let prefix = tok.user_turn_prefix()?;
     let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
-    let (mut probs, mut order) = (Vec::new(), Vec::new());
     let mut attempts = 0;
     while out.len() < count {
         if attempts >= 4 * count + 64 {
@@ -193,10 +192,7 @@ pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize,
             })
             .collect();
         attempts += ANSWER_BATCH;
-        let written = crate::speculative::decode::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], &mut |i, logits| {
-            SELF_PROMPT_SAMPLING.distribution(logits, &mut probs, &mut order);
-            draw(&probs, &mut streams[i])
-        })?;
+        let written = crate::speculative::decode::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], SELF_PROMPT_SAMPLING, &mut |i| streams[i].random())?;
         for c in written.into_iter().filter(|c| c.stop == StopReason::EndOfTurn) {
             let request = tok.decode(&c.tokens[prefix.len()..c.tokens.len() - 1])?.trim().to_string();
             if out.len() < count && !request.is_empty() && seen.insert(request.clone()) {

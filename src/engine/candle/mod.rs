@@ -7,7 +7,8 @@ pub mod draft;
 pub mod kernels;
 pub mod llama;
 
-use crate::speculative::{Batch, Block, Draft, Feed, HeadRows, Positions, TargetModel};
+use crate::sampling::Sampling;
+use crate::speculative::{Batch, Block, Draft, DrawRequest, Feed, HeadRows, HostLogits, LogitRows, Positions, TargetModel, Without};
 use anyhow::{bail, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use llama::{Cache, Llama, Rows};
@@ -210,6 +211,7 @@ impl TargetModel for Llama {
     type Features = DeviceFeatures;
     type Head = DeviceHead;
     type DraftState = draft::DraftState;
+    type Logits = DeviceLogits;
 
     fn vocab(&self) -> usize {
         self.config.vocab
@@ -276,22 +278,248 @@ impl TargetModel for Llama {
     }
 
     /// Every block in one pass (`Llama::forward_sequences`), every block's logit rows through the LM head in one
-    /// product and one copy to the host.
-    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>]) -> Result<()> {
+    /// product; they stay on the device (`DeviceLogits`).
+    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>], logits: &mut DeviceLogits) -> Result<()> {
         let batch = Batch::of(blocks, |f| &f.capture)?;
         let mut caches: Vec<&mut Cache> = blocks.iter_mut().map(|b| &mut *b.cache).collect();
         let (hidden, captured) = self.forward_sequences(&batch.tokens, &mut caches, &batch.rows, &batch.capture)?;
-        let logits = match batch.logit_rows.len() {
-            0 => Vec::new(),
+        logits.set(match batch.logit_rows.len() {
+            0 => None,
             n => {
                 let rows: Vec<u32> = batch.logit_rows.iter().map(|&r| r as u32).collect();
                 let picked = hidden.index_select(&Tensor::from_vec(rows, n, &self.device)?, 0)?;
-                self.logits(&picked)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+                Some(self.logits(&picked)?.to_dtype(DType::F32)?)
             }
-        };
-        Batch::scatter(blocks, &logits, self.config.vocab, |f, row, n| {
+        });
+        Batch::scatter(blocks, |f, row, n| {
             let layers = captured.iter().map(|t| t.narrow(0, row, n)).collect::<candle_core::Result<Vec<_>>>()?;
             f.append(hidden.narrow(0, row, n)?, layers)
         })
+    }
+}
+
+/// The logit rows of a forward, `[rows, vocab]` in f32 on the device. The loop's questions are answered there:
+/// softmax, the drafts' probabilities gathered, and draws by the inverse of the distribution function, found in two
+/// steps (the sums of chunks of a row, then the chosen chunk), so a few numbers a row travel to the host instead of
+/// the vocabulary. Top-p (a sort) and draws that leave out a draft's whole distribution (`--draft-mode sample`) are
+/// answered on the host from a copy of the rows, as the CPU engine answers them.
+#[derive(Default)]
+pub struct DeviceLogits {
+    rows: Option<Tensor>,
+    host: HostLogits,
+    on_host: bool,
+}
+
+/// The width of the chunks a draw first chooses among: a Llama-3 row is 501 chunks, which come back to the host as
+/// sums, then the 256 values of the chosen one.
+const DRAW_CHUNK: usize = 256;
+
+impl DeviceLogits {
+    fn set(&mut self, rows: Option<Tensor>) {
+        (self.rows, self.on_host) = (rows, false);
+    }
+
+    fn rows(&self) -> Result<&Tensor> {
+        self.rows.as_ref().context("no logit rows: the forward asked for none")
+    }
+
+    /// The rows copied to the host once a step, for what is answered there.
+    fn host(&mut self) -> Result<&mut HostLogits> {
+        if !self.on_host {
+            let rows = self.rows()?;
+            let (values, vocab) = (rows.flatten_all()?.to_vec1::<f32>()?, rows.dim(1)?);
+            self.host.fill(values, vocab);
+            self.on_host = true;
+        }
+        Ok(&mut self.host)
+    }
+
+    /// `rows`' index tensor on the device.
+    fn index(&self, rows: impl Iterator<Item = usize>) -> Result<Tensor> {
+        let ids: Vec<u32> = rows.map(|r| r as u32).collect();
+        let n = ids.len();
+        Ok(Tensor::from_vec(ids, n, self.rows()?.device())?)
+    }
+
+    /// The argmax of each of `rows`.
+    fn argmax(&self, rows: impl Iterator<Item = usize>) -> Result<Vec<u32>> {
+        Ok(self.rows()?.index_select(&self.index(rows)?, 0)?.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+    }
+
+    /// softmax(row / temperature) of each of `rows`, `[rows, vocab]` (top-p 1).
+    fn distributions(&self, sampling: Sampling, rows: impl Iterator<Item = usize>) -> Result<Tensor> {
+        let picked = self.rows()?.index_select(&self.index(rows)?, 0)?;
+        Ok(candle_nn::ops::softmax_last_dim(&picked.affine(1.0 / sampling.temperature as f64, 0.0)?)?)
+    }
+}
+
+impl LogitRows for DeviceLogits {
+    fn probabilities(&mut self, sampling: Sampling, picks: &[(usize, u32)], out: &mut Vec<f32>) -> Result<()> {
+        out.clear();
+        if picks.is_empty() {
+            return Ok(());
+        }
+        if sampling.top_p < 1.0 {
+            return self.host()?.probabilities(sampling, picks, out);
+        }
+        if sampling.is_greedy() {
+            let best = self.argmax(picks.iter().map(|p| p.0))?;
+            out.extend(best.iter().zip(picks).map(|(&b, &(_, token))| if b == token { 1.0 } else { 0.0 }));
+            return Ok(());
+        }
+        let p = self.distributions(sampling, picks.iter().map(|p| p.0))?;
+        let tokens: Vec<u32> = picks.iter().map(|p| p.1).collect();
+        let at = p.gather(&Tensor::from_vec(tokens, (picks.len(), 1), p.device())?, 1)?;
+        out.extend(at.flatten_all()?.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    fn draw(&mut self, sampling: Sampling, requests: &[DrawRequest<'_>], out: &mut Vec<u32>) -> Result<()> {
+        out.clear();
+        if requests.is_empty() {
+            return Ok(());
+        }
+        if sampling.top_p < 1.0 || requests.iter().any(|r| matches!(r.without, Without::Distribution { .. })) {
+            return self.host()?.draw(sampling, requests, out);
+        }
+        if sampling.is_greedy() {
+            out.extend(self.argmax(requests.iter().map(|r| r.row))?);
+            return Ok(());
+        }
+        let p = self.distributions(sampling, requests.iter().map(|r| r.row))?;
+        let n = requests.len();
+        // A rejected argmax draft x leaves max(0, p − 1) = 0 at x: its entry is overwritten with 0, every other row's
+        // entry 0 with itself.
+        let excluded: Vec<u32> = requests.iter().map(|r| if let Without::Token(x) = r.without { x } else { 0 }).collect();
+        let kept: Vec<f32> = requests.iter().map(|r| if matches!(r.without, Without::Token(_)) { 0.0 } else { 1.0 }).collect();
+        let at = Tensor::from_vec(excluded, (n, 1), p.device())?;
+        let values = p.gather(&at, 1)?.mul(&Tensor::from_vec(kept, (n, 1), p.device())?)?;
+        let residual = p.scatter(&at, &values, 1)?;
+        let us: Vec<f64> = requests.iter().map(|r| r.u).collect();
+        let mut drawn = inverse_cdf(&residual, &us)?;
+        // Nothing left (p ≤ q everywhere): drawn from p itself, as on the host.
+        let empty: Vec<usize> = (0..n).filter(|&i| drawn[i].is_none()).collect();
+        if !empty.is_empty() {
+            let again = inverse_cdf(&p.index_select(&self.index(empty.iter().copied())?, 0)?, &empty.iter().map(|&i| us[i]).collect::<Vec<_>>())?;
+            for (&i, token) in empty.iter().zip(again) {
+                drawn[i] = token;
+            }
+        }
+        out.extend(drawn.into_iter().map(|t| t.context("a distribution with no mass")).collect::<Result<Vec<_>>>()?);
+        Ok(())
+    }
+}
+
+/// For each row of `probs` (`[n, vocab]`, not normalised), the first index where the running sum passes `u` times the
+/// row's total (`sampling::draw_with` on the normalised row), or the last index with mass when rounding leaves u
+/// above the sum; None for a row with no mass.
+fn inverse_cdf(probs: &Tensor, us: &[f64]) -> Result<Vec<Option<u32>>> {
+    let (n, vocab) = probs.dims2()?;
+    let padding = vocab.next_multiple_of(DRAW_CHUNK) - vocab;
+    let padded = if padding == 0 { probs.contiguous()? } else { probs.pad_with_zeros(1, 0, padding)? };
+    let chunks = (vocab + padding) / DRAW_CHUNK;
+    let sums = padded.reshape((n, chunks, DRAW_CHUNK))?.sum(2)?.to_vec2::<f32>()?;
+    // Per row: the chunk where the draw lands, the mass before it and the draw's target.
+    let mut found = Vec::with_capacity(n);
+    for (row, &u) in sums.iter().zip(us) {
+        let total: f64 = row.iter().map(|&s| s as f64).sum();
+        if total <= 0.0 {
+            found.push(None);
+            continue;
+        }
+        let target = u * total;
+        let (mut before, mut last) = (0f64, None);
+        let mut chosen = None;
+        for (c, &s) in row.iter().enumerate() {
+            if s > 0.0 {
+                if target < before + s as f64 {
+                    chosen = Some((c, before));
+                    break;
+                }
+                last = Some((c, before));
+                before += s as f64;
+            }
+        }
+        found.push(chosen.or(last).map(|(c, before)| (c, before, target)));
+    }
+    let picked: Vec<usize> = found.iter().enumerate().filter_map(|(i, f)| f.map(|(c, _, _)| i * chunks + c)).collect();
+    if picked.is_empty() {
+        return Ok(vec![None; n]);
+    }
+    let ids: Vec<u32> = picked.iter().map(|&i| i as u32).collect();
+    let values = padded.reshape((n * chunks, DRAW_CHUNK))?.index_select(&Tensor::from_vec(ids, picked.len(), probs.device())?, 0)?.to_vec2::<f32>()?;
+    let mut values = values.into_iter();
+    Ok(found
+        .into_iter()
+        .map(|f| {
+            let (c, mut acc, target) = f?;
+            let chunk = values.next().expect("one chunk a row with mass");
+            let mut last = 0;
+            for (j, &p) in chunk.iter().enumerate() {
+                if p > 0.0 {
+                    acc += p as f64;
+                    last = j;
+                    if target < acc {
+                        return Some((c * DRAW_CHUNK + j) as u32);
+                    }
+                }
+            }
+            Some((c * DRAW_CHUNK + last) as u32)
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{RngExt, SeedableRng};
+
+    /// `n` rows of logits with one likely token (7), the last row a point mass on it.
+    fn logit_rows(n: usize, vocab: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut rows: Vec<f32> = (0..n * vocab).map(|i| if i % vocab == 7 { 4.0 } else { 3.0 * rng.random_range(-1.0f32..1.0) }).collect();
+        rows[(n - 1) * vocab..].iter_mut().enumerate().for_each(|(i, l)| *l = if i == 7 { 1000.0 } else { 0.0 });
+        rows
+    }
+
+    #[test]
+    fn rows_on_the_device_answer_as_rows_on_the_host() {
+        let n = 6;
+        // 1,000 ids pad the last draw chunk; 512 fill two.
+        for vocab in [1000, 512] {
+            let values = logit_rows(n, vocab, vocab as u64);
+            let mut host = HostLogits::default();
+            host.fill(values.clone(), vocab);
+            let mut device = DeviceLogits::default();
+            device.set(Some(Tensor::from_vec(values, (n, vocab), &Device::Cpu).unwrap()));
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+            for sampling in [Sampling::GREEDY, Sampling::new(0.7, 1.0).unwrap(), Sampling::new(1.0, 0.9).unwrap()] {
+                let picks: Vec<(usize, u32)> = (0..n).map(|r| (r, rng.random_range(0..vocab as u32))).chain((0..n).map(|r| (r, 7))).collect();
+                let (mut want, mut got) = (Vec::new(), Vec::new());
+                host.probabilities(sampling, &picks, &mut want).unwrap();
+                device.probabilities(sampling, &picks, &mut got).unwrap();
+                for ((w, g), pick) in want.iter().zip(&got).zip(&picks) {
+                    assert!((w - g).abs() <= 1e-6 * w.max(1e-2), "{sampling:?} {pick:?}: p {g} on the device, {w} on the host");
+                }
+                // Plain draws and recoveries after a rejected argmax draft (token 7, or another), u close to 1
+                // included; the point-mass row leaves nothing after its token and is drawn from as it is.
+                let requests: Vec<DrawRequest> = (0..300)
+                    .map(|i| {
+                        let without = match i % 3 {
+                            0 => Without::Nothing,
+                            1 => Without::Token(7),
+                            _ => Without::Token(rng.random_range(0..vocab as u32)),
+                        };
+                        let u = if i % 50 == 0 { 1.0 - 1e-12 } else { rng.random() };
+                        DrawRequest { row: (i / 3) % n, u, without }
+                    })
+                    .collect();
+                let (mut want, mut got) = (Vec::new(), Vec::new());
+                host.draw(sampling, &requests, &mut want).unwrap();
+                device.draw(sampling, &requests, &mut got).unwrap();
+                assert_eq!(got, want, "{sampling:?}, vocabulary {vocab}");
+                assert!(want.iter().zip(&requests).any(|(&t, r)| r.row == n - 1 && matches!(r.without, Without::Token(7)) && t == 7));
+            }
+        }
     }
 }

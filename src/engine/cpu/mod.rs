@@ -7,7 +7,7 @@ pub mod kquants;
 pub mod model;
 pub mod tensor;
 
-use crate::speculative::{Batch, Block, HeadRows, Positions, TargetModel};
+use crate::speculative::{Batch, Block, HeadRows, HostLogits, Positions, TargetModel};
 use anyhow::Result;
 use model::{Cache, Model};
 use std::sync::Arc;
@@ -77,6 +77,7 @@ impl TargetModel for Model {
     type Cache = Cache;
     type Features = CpuFeatures;
     type DraftState = ();
+    type Logits = HostLogits;
     type Head = Arc<Matrix>;
 
     fn vocab(&self) -> usize {
@@ -106,12 +107,13 @@ impl TargetModel for Model {
     }
 
     /// Every block in one pass (`Model::forward_sequences`).
-    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>]) -> Result<()> {
+    fn forward_blocks(&self, blocks: &mut [Block<'_, Self>], logits: &mut HostLogits) -> Result<()> {
         let batch = Batch::of(blocks, |f| f.captured())?;
         let mut caches: Vec<&mut Cache> = blocks.iter_mut().map(|b| &mut *b.cache).collect();
         let fwd = self.forward_sequences(&batch.tokens, &mut caches, &batch.rows, &batch.logit_rows, &batch.capture)?;
         let h = self.config.hidden;
-        Batch::scatter(blocks, &fwd.logits, self.config.vocab, |f, row, n| {
+        logits.fill(fwd.logits, self.config.vocab);
+        Batch::scatter(blocks, |f, row, n| {
             let captured: Vec<&[f32]> = fwd.layer_inputs.iter().map(|l| &l[row * h..(row + n) * h]).collect();
             f.append(&fwd.hidden[row * h..(row + n) * h], &captured);
             Ok(())
