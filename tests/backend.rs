@@ -7,7 +7,7 @@ mod common;
 use common::frspec;
 use frspec::engine::candle::draft::DraftWeights;
 use frspec::engine::candle::llama::{greedy, named_shape, Attention, Cache, Llama};
-use frspec::engine::candle::DeviceHead;
+use frspec::engine::candle::{DeviceHead, DeviceRow};
 use frspec::speculative::{Context, HeadRows, TargetModel};
 use frspec::engine::cpu::model::Config;
 use frspec::bench::engine_greedy;
@@ -82,7 +82,7 @@ fn caches_roll_back_and_blocks_equal_single_steps() {
     let mut parts = eagle.instance(&llama);
     parts.catch_up(&Context { tokens: &prompt[..prompt.len() - 1], features: &features }).unwrap();
     let last = parts.catch_up(&Context { tokens: &prompt, features: &features }).unwrap();
-    assert!(max_abs_diff(&all, &last.flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-4);
+    assert!(max_abs_diff(&all.tensor().unwrap(), &last.tensor().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-4);
 }
 
 /// Hidden states of `tokens` split into `rows` continuing `caches`, one pass, as a row per sequence.
@@ -226,6 +226,7 @@ fn padded_head_rows_give_the_unpadded_logits() {
     let (mut logits, mut plain) = (Vec::new(), Vec::new());
     for _ in 0..20 {
         let row = Tensor::randn(0f32, 1.0, (1, 64), &Device::Cpu).unwrap();
+        let row = DeviceRow::from(row);
         head.logits(&row, &mut logits, &mut ()).unwrap();
         DeviceHead::new(unpadded.clone()).logits(&row, &mut plain, &mut ()).unwrap();
         assert_eq!(logits.len(), 1283);
@@ -294,16 +295,29 @@ fn a_heads_product_of_several_rows_gives_each_row_what_it_gets_alone_on_both_eng
             assert!(alone.iter().all(|l| l.iter().filter(|v| v.is_finite()).count() == cpu.kept()), "every row masked");
         }
 
-        let rows: Vec<&Tensor> = device_rows.iter().collect();
-        let mut on_device = vec![Vec::new(); rows.len()];
-        candle.logits_many(&rows, &mut on_device.iter_mut().collect::<Vec<_>>(), &mut ()).unwrap();
-        for (got, want) in on_device.iter().zip(&alone) {
-            assert_eq!(got.len(), want.len());
-            let close = got.iter().zip(want).all(|(g, w)| (g == w) || (g - w).abs() <= 1e-4 * w.abs().max(1.0));
-            assert!(close, "candle engine, {mode:?}: logits of a row among others");
+        // Rows stack three ways (`candle::stack`): consecutive rows of one batch (a view), rows of one batch out of
+        // order (a gather), rows of their own (copies).
+        let batch = Tensor::cat(&device_rows, 0).unwrap();
+        let order: [Vec<usize>; 3] = [(0..rows.len()).collect(), (0..rows.len()).rev().collect(), (0..rows.len()).collect()];
+        let arranged: [Vec<DeviceRow>; 3] = [
+            order[0].iter().map(|&i| DeviceRow::of(batch.clone(), i)).collect(),
+            order[1].iter().map(|&i| DeviceRow::of(batch.clone(), i)).collect(),
+            device_rows.iter().map(|r| DeviceRow::from(r.clone())).collect(),
+        ];
+        for (how, (order, arranged)) in ["view", "gather", "copies"].iter().zip(order.iter().zip(&arranged)) {
+            let rows: Vec<&DeviceRow> = arranged.iter().collect();
+            let mut on_device = vec![Vec::new(); rows.len()];
+            candle.logits_many(&rows, &mut on_device.iter_mut().collect::<Vec<_>>(), &mut ()).unwrap();
+            for (got, &i) in on_device.iter().zip(order) {
+                let want = &alone[i];
+                assert_eq!(got.len(), want.len());
+                let close = got.iter().zip(want).all(|(g, w)| (g == w) || (g - w).abs() <= 1e-4 * w.abs().max(1.0));
+                assert!(close, "candle engine, {mode:?}, {how}: logits of a row among others");
+            }
+            candle.argmax_many(&rows, &mut on_device.iter_mut().collect::<Vec<_>>(), &mut (), &mut indices).unwrap();
+            let device_argmax: Vec<usize> = rows.iter().map(|r| candle.argmax(r, &mut Vec::new(), &mut ()).unwrap()).collect();
+            let want: Vec<usize> = order.iter().map(|&i| argmax[i]).collect();
+            assert_eq!((indices.clone(), device_argmax), (want.clone(), want), "candle engine, {mode:?}, {how}: argmax");
         }
-        candle.argmax_many(&rows, &mut on_device.iter_mut().collect::<Vec<_>>(), &mut (), &mut indices).unwrap();
-        let device_argmax: Vec<usize> = rows.iter().map(|r| candle.argmax(r, &mut Vec::new(), &mut ()).unwrap()).collect();
-        assert_eq!((indices.clone(), device_argmax), (argmax.clone(), argmax), "candle engine, {mode:?}: argmax");
     }
 }

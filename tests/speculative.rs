@@ -611,7 +611,7 @@ fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
     let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
     let prompts = mt_bench_prompts(3);
     let contexts: Vec<Vec<u32>> = prompts.iter().map(|p| [&p[..], &[42]].concat()).collect();
-    let rows = |t: candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let rows = |t: frspec::engine::candle::DeviceRow| t.tensor().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     for (kind, head) in [(DraftKind::Eagle, frspec::spec::SMOLLM2_HEAD), (DraftKind::Eagle3, frspec::spec::SMOLLM2_EAGLE3_HEAD)] {
         let weights = DraftWeights::from_engine(&frspec::engine::cpu::draft::load(&kind, Some(head), t, "smollm2").unwrap(), &llama).unwrap();
         let mut drafts: Vec<_> = prompts.iter().map(|_| weights.instance(&llama)).collect();
@@ -624,19 +624,27 @@ fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
                 f
             })
             .collect();
-        let feeds: Vec<Vec<Feed<_>>> = vec![
-            contexts.iter().zip(&features).map(|(c, f)| Feed::CatchUp(Context { tokens: c, features: f })).collect(),
-            vec![Feed::Extend(7); 3],
-            vec![Feed::Extend(8); 3],
+        // Which drafts each position feeds: all three, then only the first and the last (their streams are then rows
+        // 0 and 2 of the previous position's outputs, gathered; consecutive ones are a view of them).
+        let everyone: [usize; 3] = [0, 1, 2];
+        let feeds: Vec<(&[usize], Vec<Feed<_>>)> = vec![
+            (&everyone, contexts.iter().zip(&features).map(|(c, f)| Feed::CatchUp(Context { tokens: c, features: f })).collect()),
+            (&everyone, vec![Feed::Extend(7); 3]),
+            (&everyone, vec![Feed::Extend(8); 3]),
+            (&[0, 2], vec![Feed::Extend(9); 2]),
         ];
-        let alone: Vec<Vec<Vec<f32>>> = drafts.iter_mut().enumerate().map(|(i, d)| feeds.iter().map(|step| rows(step[i].to(d.as_mut()).unwrap())).collect()).collect();
+        let alone: Vec<Vec<Option<Vec<f32>>>> = drafts
+            .iter_mut()
+            .enumerate()
+            .map(|(i, d)| feeds.iter().map(|(fed, step)| fed.iter().position(|&j| j == i).map(|at| rows(step[at].to(d.as_mut()).unwrap()))).collect())
+            .collect();
         drafts.iter_mut().for_each(|d| d.reset());
         let mut slots: Vec<&mut dyn Draft<Llama>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
-        for (step, feeds) in feeds.iter().enumerate() {
+        for (step, (fed, feeds)) in feeds.iter().enumerate() {
             let mut together = Vec::new();
-            llama.feed_drafts(&mut slots, &[0, 1, 2], feeds, &mut together).unwrap();
-            for (i, row) in together.into_iter().enumerate() {
-                let (got, want) = (rows(row), &alone[i][step]);
+            llama.feed_drafts(&mut slots, fed, feeds, &mut together).unwrap();
+            for (&i, row) in fed.iter().zip(together) {
+                let (got, want) = (rows(row), alone[i][step].as_ref().expect("fed alone too"));
                 let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
                 assert!(got.len() == want.len() && diff < 1e-4, "{kind}: draft {i} at position {step} differs by {diff}");
             }

@@ -4,7 +4,7 @@
 //! of its weights' pool, so the loop's drafts on the same weights are fed in one forward (`feed_together`).
 
 use super::llama::{norm_weights, rms_norm, Cache, KvPool, Layer, Llama, Proj, Random, Rope};
-use super::{DeviceFeatures, DeviceHead};
+use super::{stack, DeviceFeatures, DeviceHead, DeviceRow};
 use crate::engine::cpu::draft::Loaded;
 use crate::engine::cpu::model::Geometry;
 use crate::speculative::{Chooser, Context, Draft, Feed, LmHead, Positions};
@@ -105,14 +105,15 @@ impl Draft<Llama> for ModelDraft {
         self.cache.truncate(0);
     }
 
-    fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<Tensor> {
+    fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<DeviceRow> {
         // Every token the draft has not seen, the last one (not yet verified) included.
         let hidden = self.model.forward(&ctx.tokens[self.cache.len()..], &mut self.cache)?;
-        Ok(hidden.narrow(0, hidden.dim(0)? - 1, 1)?)
+        let last = hidden.dim(0)? - 1;
+        Ok(DeviceRow::of(hidden, last))
     }
 
-    fn extend(&mut self, token: u32) -> Result<Tensor> {
-        self.model.forward(&[token], &mut self.cache)
+    fn extend(&mut self, token: u32) -> Result<DeviceRow> {
+        Ok(self.model.forward(&[token], &mut self.cache)?.into())
     }
 
     fn rollback(&mut self, before: usize, accepted: usize) -> Result<()> {
@@ -214,7 +215,7 @@ impl Head {
 pub struct DraftState {
     head: Head,
     cache: Cache,
-    last: Option<Tensor>,
+    last: Option<DeviceRow>,
 }
 
 impl DraftState {
@@ -226,26 +227,38 @@ impl DraftState {
 
 /// Feed drafts on the same weights in one forward of their layer (one pass over its weights, one launch group for
 /// all of them): each draft's stream since it last caught up (or its own last output) paired with its next tokens,
-/// at its own positions of its own cache. Returns each draft's head input `[1, hidden]`, in order.
-pub fn feed_together(target: &Llama, states: &mut [&mut DraftState], feeds: &[Feed<'_, DeviceFeatures>]) -> Result<Vec<Tensor>> {
+/// at its own positions of its own cache. Returns each draft's head input, in order, as rows of one batch.
+pub fn feed_together(target: &Llama, states: &mut [&mut DraftState], feeds: &[Feed<'_, DeviceFeatures>]) -> Result<Vec<DeviceRow>> {
     let head = states.first().context("no draft to feed")?.head.clone();
     if states.iter().any(|s| s.head.weights() != head.weights()) {
         bail!("drafts fed together run the same weights");
     }
-    let (mut streams, mut tokens, mut rows) = (Vec::with_capacity(states.len()), Vec::new(), Vec::with_capacity(states.len()));
+    let (mut streams, mut lasts, mut tokens, mut rows) = (Vec::with_capacity(states.len()), Vec::new(), Vec::new(), Vec::with_capacity(states.len()));
     for (s, feed) in states.iter_mut().zip(feeds) {
         let seen = s.cache.len();
-        let (stream, fed) = match feed {
+        let fed = match feed {
             // Draft position j pairs (f_j, t_{j+1}); every j < n − 1 has a true target feature.
-            Feed::CatchUp(ctx) => (head.stream(ctx.features, seen, ctx.tokens.len() - 1 - seen)?, &ctx.tokens[seen + 1..]),
+            Feed::CatchUp(ctx) => {
+                streams.push(head.stream(ctx.features, seen, ctx.tokens.len() - 1 - seen)?);
+                &ctx.tokens[seen + 1..]
+            }
             // No target feature exists yet for a drafted position: EAGLE feeds its own output instead.
-            Feed::Extend(token) => (s.last.take().context("extend before catch_up")?, std::slice::from_ref(token)),
+            Feed::Extend(token) => {
+                let last = s.last.take().context("extend before catch_up")?;
+                streams.push(last.tensor()?);
+                lasts.push(last);
+                std::slice::from_ref(token)
+            }
         };
-        streams.push(stream);
         tokens.extend_from_slice(fed);
         rows.push(fed.len());
     }
-    let (x, attn_input) = head.inputs(&target.embed(&tokens)?, &Tensor::cat(&streams, 0)?)?;
+    // Drafts extending together after being fed together: their streams are rows of the last forward's outputs.
+    let streams = match lasts.len() == states.len() {
+        true => stack(&lasts.iter().collect::<Vec<_>>())?,
+        false => Tensor::cat(&streams, 0)?,
+    };
+    let (x, attn_input) = head.inputs(&target.embed(&tokens)?, &streams)?;
     let (layer, geometry, rope) = head.layer();
     let mut caches: Vec<&mut Cache> = states.iter_mut().map(|s| &mut s.cache).collect();
     let out = Cache::extend(&mut caches, &rows, |buffers, placed| {
@@ -261,8 +274,8 @@ pub fn feed_together(target: &Llama, states: &mut [&mut DraftState], feeds: &[Fe
     let inputs = head.head_input(&last)?;
     let mut fed = Vec::with_capacity(states.len());
     for (i, s) in states.iter_mut().enumerate() {
-        s.last = Some(last.narrow(0, i, 1)?);
-        fed.push(inputs.narrow(0, i, 1)?);
+        s.last = Some(DeviceRow::of(last.clone(), i));
+        fed.push(DeviceRow::of(inputs.clone(), i));
     }
     Ok(fed)
 }
@@ -275,7 +288,7 @@ pub struct EagleDraft<'a> {
 }
 
 impl EagleDraft<'_> {
-    fn feed(&mut self, feed: Feed<'_, DeviceFeatures>) -> Result<Tensor> {
+    fn feed(&mut self, feed: Feed<'_, DeviceFeatures>) -> Result<DeviceRow> {
         Ok(feed_together(self.target, &mut [&mut self.state], &[feed])?.pop().expect("one draft fed"))
     }
 }
@@ -307,11 +320,11 @@ impl Draft<Llama> for EagleDraft<'_> {
         self.state.last = None;
     }
 
-    fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<Tensor> {
+    fn catch_up(&mut self, ctx: &Context<DeviceFeatures>) -> Result<DeviceRow> {
         self.feed(Feed::CatchUp(*ctx))
     }
 
-    fn extend(&mut self, token: u32) -> Result<Tensor> {
+    fn extend(&mut self, token: u32) -> Result<DeviceRow> {
         self.feed(Feed::Extend(token))
     }
 

@@ -154,9 +154,51 @@ impl DeviceHead {
     }
 }
 
+/// A hidden row on the device: row `row` of `batch`, the rows one forward computed for several drafts together, so
+/// that rows of one batch stack back into `[n, hidden]` with no copy per row (`stack`).
+#[derive(Clone)]
+pub struct DeviceRow {
+    batch: Tensor,
+    row: usize,
+}
+
+impl DeviceRow {
+    /// Row `row` of `batch` (`[n, hidden]`).
+    pub fn of(batch: Tensor, row: usize) -> DeviceRow {
+        DeviceRow { batch, row }
+    }
+
+    /// The row alone, `[1, hidden]`.
+    pub fn tensor(&self) -> Result<Tensor> {
+        Ok(self.batch.narrow(0, self.row, 1)?)
+    }
+}
+
+/// A row `[1, hidden]` of its own.
+impl From<Tensor> for DeviceRow {
+    fn from(row: Tensor) -> DeviceRow {
+        DeviceRow { batch: row, row: 0 }
+    }
+}
+
+/// `rows` as one `[n, hidden]` tensor. Rows of one batch (the slots a drafting position fed together) need no copy
+/// per row: in order and consecutive they are a view of it, otherwise one gather; rows of several batches are copied
+/// one by one. On a GPU at batch 64 that is one launch or none where a copy a row was 64.
+pub fn stack(rows: &[&DeviceRow]) -> Result<Tensor> {
+    let first = rows.first().context("no rows to stack")?;
+    if rows.iter().all(|r| r.batch.id() == first.batch.id()) {
+        if rows.iter().enumerate().all(|(i, r)| r.row == first.row + i) {
+            return Ok(first.batch.narrow(0, first.row, rows.len())?);
+        }
+        let ids: Vec<u32> = rows.iter().map(|r| r.row as u32).collect();
+        return Ok(first.batch.index_select(&Tensor::from_vec(ids, rows.len(), first.batch.device())?, 0)?);
+    }
+    let rows = rows.iter().map(|r| r.tensor()).collect::<Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&rows, 0)?)
+}
+
 impl HeadRows for DeviceHead {
-    /// `[1, hidden]`.
-    type Row = Tensor;
+    type Row = DeviceRow;
     type Scratch = ();
 
     fn rows(&self) -> usize {
@@ -173,20 +215,20 @@ impl HeadRows for DeviceHead {
         Ok(DeviceHead { matrix, rows: rows.len() })
     }
 
-    fn logits(&self, row: &Tensor, out: &mut Vec<f32>, _: &mut ()) -> Result<()> {
-        *out = self.product(row)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    fn logits(&self, row: &DeviceRow, out: &mut Vec<f32>, _: &mut ()) -> Result<()> {
+        *out = self.product(&row.tensor()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         Ok(())
     }
 
     /// Found on the device: one index comes back instead of a vocabulary of logits. Exact ties (rare in f32, less
     /// so in bf16) may go to another of the tied rows than the host's lowest index.
-    fn argmax(&self, row: &Tensor, _: &mut Vec<f32>, _: &mut ()) -> Result<usize> {
-        Ok(self.product(row)?.argmax(candle_core::D::Minus1)?.flatten_all()?.to_vec1::<u32>()?[0] as usize)
+    fn argmax(&self, row: &DeviceRow, _: &mut Vec<f32>, _: &mut ()) -> Result<usize> {
+        Ok(self.product(&row.tensor()?)?.argmax(candle_core::D::Minus1)?.flatten_all()?.to_vec1::<u32>()?[0] as usize)
     }
 
     /// One product `[rows, hidden] · headᵀ` (the head read once), one copy to the host.
-    fn logits_many(&self, rows: &[&Tensor], out: &mut [&mut Vec<f32>], _: &mut ()) -> Result<()> {
-        let logits = self.product(&Tensor::cat(rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    fn logits_many(&self, rows: &[&DeviceRow], out: &mut [&mut Vec<f32>], _: &mut ()) -> Result<()> {
+        let logits = self.product(&stack(rows)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         for (out, logits) in out.iter_mut().zip(logits) {
             **out = logits;
         }
@@ -194,15 +236,15 @@ impl HeadRows for DeviceHead {
     }
 
     /// One product and one argmax on the device for every row; only the indices come back.
-    fn argmax_many(&self, rows: &[&Tensor], _: &mut [&mut Vec<f32>], _: &mut (), indices: &mut Vec<usize>) -> Result<()> {
-        let found = self.product(&Tensor::cat(rows, 0)?)?.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+    fn argmax_many(&self, rows: &[&DeviceRow], _: &mut [&mut Vec<f32>], _: &mut (), indices: &mut Vec<usize>) -> Result<()> {
+        let found = self.product(&stack(rows)?)?.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
         indices.clear();
         indices.extend(found.into_iter().map(|i| i as usize));
         Ok(())
     }
 
-    fn probe(&self) -> Result<Tensor> {
-        Ok(Tensor::full(0.5f32, (1, self.matrix.dims()[1]), self.matrix.device())?.to_dtype(self.matrix.dtype())?)
+    fn probe(&self) -> Result<DeviceRow> {
+        Ok(Tensor::full(0.5f32, (1, self.matrix.dims()[1]), self.matrix.device())?.to_dtype(self.matrix.dtype())?.into())
     }
 }
 
@@ -249,10 +291,10 @@ impl TargetModel for Llama {
 
     /// The EAGLE drafts on the same weights as the first one fed go through their layer in one forward
     /// (`draft::feed_together`); any other draft is fed alone.
-    fn feed_drafts(&self, drafts: &mut [&mut dyn Draft<Self>], slots: &[usize], feeds: &[Feed<'_, DeviceFeatures>], rows: &mut Vec<Tensor>) -> Result<()> {
+    fn feed_drafts(&self, drafts: &mut [&mut dyn Draft<Self>], slots: &[usize], feeds: &[Feed<'_, DeviceFeatures>], rows: &mut Vec<DeviceRow>) -> Result<()> {
         let weights: Vec<Option<*const ()>> = slots.iter().map(|&i| drafts[i].state().map(|s| s.weights())).collect();
         let shared = weights.iter().flatten().next().copied();
-        let mut fed: Vec<Option<Tensor>> = vec![None; slots.len()];
+        let mut fed: Vec<Option<DeviceRow>> = vec![None; slots.len()];
         let (mut states, mut which, mut together) = (Vec::new(), Vec::new(), Vec::new());
         for (i, draft) in drafts.iter_mut().enumerate() {
             if let Ok(j) = slots.binary_search(&i) {
@@ -480,6 +522,25 @@ mod tests {
         let mut rows: Vec<f32> = (0..n * vocab).map(|i| if i % vocab == 7 { 4.0 } else { 3.0 * rng.random_range(-1.0f32..1.0) }).collect();
         rows[(n - 1) * vocab..].iter_mut().enumerate().for_each(|(i, l)| *l = if i == 7 { 1000.0 } else { 0.0 });
         rows
+    }
+
+    #[test]
+    fn rows_of_one_batch_stack_without_a_copy_a_row() {
+        let batch = Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((4, 3)).unwrap();
+        let rows: Vec<DeviceRow> = (0..4).map(|i| DeviceRow::of(batch.clone(), i)).collect();
+        let storage = |t: &Tensor| {
+            let (storage, _) = t.storage_and_layout();
+            &*storage as *const candle_core::Storage as usize
+        };
+        let values = |t: Tensor| t.to_vec2::<f32>().unwrap();
+        let view = stack(&[&rows[1], &rows[2]]).unwrap();
+        assert_eq!(storage(&view), storage(&batch), "consecutive rows are a view of their batch");
+        assert_eq!(values(view), [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]);
+        let gathered = stack(&[&rows[2], &rows[0]]).unwrap();
+        assert_ne!(storage(&gathered), storage(&batch));
+        assert_eq!(values(gathered), [[6.0, 7.0, 8.0], [0.0, 1.0, 2.0]]);
+        let own = DeviceRow::from(Tensor::new(&[[9f32, 9.0, 9.0]], &Device::Cpu).unwrap());
+        assert_eq!(values(stack(&[&rows[3], &own]).unwrap()), [[9.0, 10.0, 11.0], [9.0, 9.0, 9.0]]);
     }
 
     #[test]
