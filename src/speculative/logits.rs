@@ -98,7 +98,7 @@ impl LogitRows for HostLogits {
 }
 
 /// A draw with `u` from norm(max(0, p − q)), q as `without` says; from p itself when nothing is left.
-pub fn residual_draw(p: &[f32], without: Without<'_>, u: f64, residual: &mut Vec<f32>) -> u32 {
+fn residual_draw(p: &[f32], without: Without<'_>, u: f64, residual: &mut Vec<f32>) -> u32 {
     residual.clear();
     residual.extend_from_slice(p);
     match without {
