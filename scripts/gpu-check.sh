@@ -15,8 +15,8 @@
 #      measured read bandwidth sets for the bytes it must read (printed as a table after the JSON); then the
 #      batched speculative loop at B = 1, 8, 32, 64, at T = 0 and T = 1 (steps/s, and the minutes the llama31-eagle
 #      preset's sampled cells with 5 repeats and 2 turns would take at that speed for mean acceptance lengths 1.5–3;
-#      at T = 1 the loop brings k + 1 rows of 128,256 logits a sequence and step to the host and computes their
-#      distributions there, which T = 0's row leaves out)
+#      at T = 1 the loop verifies with the target's distributions, computed and drawn from on the device, which
+#      T = 0's row leaves out)
 #   4. sweeps of a synthetic target on the GPU (candle engine, f32) against the same sweeps on the CPU engine, drafted
 #      three ways: by the target's first three layers (a draft model), and by an EAGLE-1 and an EAGLE-3 head built
 #      from its first layer (`synthetic-model --eagle-head/--eagle3-head`: random heads' drafts are almost never

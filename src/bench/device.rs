@@ -194,9 +194,8 @@ pub struct DecodeSettings<'a> {
 }
 
 /// The speculative loop decoding several sequences together (ratio 0, argmax drafts, random head), at T = 0 or
-/// T = 1: the sweep's sampled cells verify with the target's distributions, which the loop computes on the host from
-/// the block's logits brought back (k + 1 rows of the vocabulary a sequence and step), where T = 0 brings back the same
-/// rows and takes their argmax.
+/// T = 1: the sweep's sampled cells verify with the target's distributions (softmax of k + 1 vocabulary rows a
+/// sequence and step, the drafts' probabilities, draws), where T = 0 takes the rows' argmax.
 #[derive(Clone, Debug, Serialize)]
 pub struct BatchedLoop {
     pub batch: usize,

@@ -99,17 +99,20 @@ impl LogitRows for HostLogits {
 
 /// A draw with `u` from norm(max(0, p − q)), q as `without` says; from p itself when nothing is left.
 fn residual_draw(p: &[f32], without: Without<'_>, u: f64, residual: &mut Vec<f32>) -> u32 {
+    // A plain draw (a prompt's first token, a bonus token) needs no copy of the row.
+    if let Without::Nothing = without {
+        return draw_with(p, u);
+    }
     residual.clear();
     residual.extend_from_slice(p);
-    match without {
-        Without::Nothing => return draw_with(p, u),
-        Without::Token(x) => residual[x as usize] = (residual[x as usize] - 1.0).max(0.0),
-        Without::Distribution { q, ids } => {
-            for (index, qv) in q.iter().enumerate() {
-                if *qv > 0.0 {
-                    let t = ids.id(index) as usize;
-                    residual[t] = (residual[t] - qv).max(0.0);
-                }
+    if let Without::Token(x) = without {
+        residual[x as usize] = (residual[x as usize] - 1.0).max(0.0);
+    }
+    if let Without::Distribution { q, ids } = without {
+        for (index, qv) in q.iter().enumerate() {
+            if *qv > 0.0 {
+                let t = ids.id(index) as usize;
+                residual[t] = (residual[t] - qv).max(0.0);
             }
         }
     }
