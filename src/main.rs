@@ -209,6 +209,13 @@ fn run(cli: Cli) -> Result<()> {
             if hidden == 0 || hidden % 64 != 0 || layers == 0 || vocab < 258 {
                 bail!("--hidden must be a positive multiple of 64, --layers at least 1 and --vocab at least 258");
             }
+            if eagle3_head.is_some() && layers < 4 {
+                bail!("--eagle3-head needs --layers at least 4 (an EAGLE-3 head reads three of the target's layers)");
+            }
+            // Every folder made before anything is written, so a bad path leaves no model without its heads.
+            for dir in std::iter::once(&out).chain(&eagle_head).chain(&eagle3_head) {
+                std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            }
             let heads = hidden / 32;
             let shape = frspec::synthetic::Shape { hidden, intermediate: 2 * hidden, layers, heads, kv_heads: heads / 2, vocab, tied: false, qkv_bias: false };
             frspec::synthetic::write_model(&out, &shape, seed, candle_core::DType::F32)?;

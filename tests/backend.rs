@@ -153,6 +153,17 @@ fn bench_decode_on_the_candle_engine_compares_with_the_engine() {
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     let bad = frspec().args(["synthetic-model", "--out", dir.path().to_str().unwrap(), "--hidden", "100"]).output().unwrap();
     assert!(bad.status.code() == Some(1) && String::from_utf8_lossy(&bad.stderr).contains("multiple of 64"));
+    // Heads that could not be loaded, or folders that cannot be made, are refused before anything is written.
+    let (file, fresh) = (dir.path().join("config.json"), dir.path().join("fresh"));
+    for (flags, message) in [
+        (["--layers", "2", "--eagle3-head", "e3"], "--eagle3-head needs --layers at least 4"),
+        (["--layers", "4", "--eagle-head", file.join("e1").to_str().unwrap()], "cannot create"),
+    ] {
+        let refused = frspec().args(["synthetic-model", "--out", fresh.to_str().unwrap(), "--hidden", "64"]).args(flags).current_dir(dir.path()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(refused.status.code() == Some(1) && stderr.contains(message), "{flags:?}: {stderr}");
+        assert!(!fresh.join("model.safetensors").exists(), "{flags:?}: no model written");
+    }
     let out = frspec()
         .args(["bench", "decode", "--model", dir.path().to_str().unwrap(), "--candle", "--compare-engine", "--json"])
         .args(["--new-tokens", "12", "--runs", "2", "--ratios", "0,0.5", "--lengths", "2,3", "--prompt", "hi there"])
