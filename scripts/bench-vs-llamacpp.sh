@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decode and prefill speed of frspec and llama.cpp on the same GGUF, same machine, same thread count, in one run.
-# A file with K-quant matrices is run by frspec twice, with Q8_K activations (integer sums, the default) and with f32
-# activations (FRSPEC_KQUANT_ACTIVATIONS=f32). Also records the memory frspec holds against the file's size.
+# frspec runs with 8-bit activations on every quantized row (FRSPEC_ACTIVATIONS=q8: integer sums, llama.cpp's
+# arithmetic); a file with K-quant matrices also with f32 activations (FRSPEC_ACTIVATIONS=f32). Also records the
+# memory frspec holds against the file's size.
 # Needs the venv of scripts/setup-numerics-env.sh.
 # Usage: scripts/bench-vs-llamacpp.sh [frspec binary] [runs] [model.gguf]
 #   default binary: built here with cargo; default model: SmolLM2-135M-Instruct Q4_1 (results/bench/decode-vs-llamacpp.*);
@@ -32,15 +33,15 @@ trap 'rm -rf "$tmp"' EXIT
 kquants=
 for round in $(seq "$rounds"); do
   RAYON_NUM_THREADS=$threads "$py" scripts/bench_llamacpp.py --threads $threads --runs "$runs" "${model_args[@]}" > "$tmp/llama.$round"
-  RAYON_NUM_THREADS=$threads FRSPEC_KQUANT_ACTIVATIONS=q8 "$frspec" bench decode --runs "$runs" --json "${model_args[@]}" > "$tmp/ours.$round"
+  RAYON_NUM_THREADS=$threads FRSPEC_ACTIVATIONS=q8 "$frspec" bench decode --runs "$runs" --json "${model_args[@]}" > "$tmp/ours.$round"
   if [ -z "$kquants" ]; then
     kquants=$("$py" -c 'import json, sys; print(int(any(t.endswith("_k") for t in json.load(open(sys.argv[1]))["weight_types"])))' "$tmp/ours.$round")
   fi
   if [ -n "${BASELINE:-}" ]; then
-    RAYON_NUM_THREADS=$threads FRSPEC_KQUANT_ACTIVATIONS=q8 "$BASELINE" bench decode --runs "$runs" --json "${model_args[@]}" > "$tmp/base.$round"
+    RAYON_NUM_THREADS=$threads FRSPEC_ACTIVATIONS=q8 "$BASELINE" bench decode --runs "$runs" --json "${model_args[@]}" > "$tmp/base.$round"
   fi
   if [ "$kquants" = 1 ]; then
-    RAYON_NUM_THREADS=$threads FRSPEC_KQUANT_ACTIVATIONS=f32 "$frspec" bench decode --runs "$runs" --json "${model_args[@]}" > "$tmp/exact.$round"
+    RAYON_NUM_THREADS=$threads FRSPEC_ACTIVATIONS=f32 "$frspec" bench decode --runs "$runs" --json "${model_args[@]}" > "$tmp/exact.$round"
   fi
 done
 "$py" - "$tmp" "$rounds" "$runs" "$threads" "$out/$name" <<'PY'
@@ -61,7 +62,7 @@ ours = ours_of(ours_rounds)
 exact = ours_of(exact_rounds) if exact_rounds else None
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
 types = ", ".join(f"{n} {t}" for t, n in ours["weight_types"].items())
-engines = [("frspec", ours)] if exact is None else [("frspec, Q8_K activations", ours), ("frspec, f32 activations", exact)]
+engines = [("frspec", ours)] if exact is None else [("frspec, 8-bit activations", ours), ("frspec, f32 activations", exact)]
 if base_rounds:
     engines.append(("frspec baseline binary", ours_of(base_rounds)))
 head = "| | llama.cpp | " + " | ".join(n for n, _ in engines) + " | " + " | ".join(f"{n} ÷ llama.cpp" for n, _ in engines) + " |"
@@ -75,7 +76,7 @@ for label, key in rows:
     md.append(f"| {label} | {llama[key]:.1f} | " + " | ".join(f"{e[key]:.1f}" for _, e in engines) + " | "
               + " | ".join(f"{e[key] / llama[key]:.2f}" for _, e in engines) + " |")
 mib = 1 << 20
-md += ["", f"Memory (frspec, Q8_K or default run): weights {ours['weight_bytes'] / mib:.1f} MiB, peak resident "
+md += ["", f"Memory (frspec, 8-bit activations): weights {ours['weight_bytes'] / mib:.1f} MiB, peak resident "
        f"{ours['peak_rss_bytes'] / mib:.1f} MiB, file {ours['file_bytes'] / mib:.1f} MiB: "
        f"{ours['peak_rss_bytes'] / ours['file_bytes']:.2f}× the file (peak resident, everything included).", "",
        f"frspec: a {ours['block']}-token block forward (verification, logits for every row) costs, against a one-token "

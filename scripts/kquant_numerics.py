@@ -2,7 +2,7 @@
 """How far each engine's logits on a K-quant GGUF lie from the exact product of its dequantized weights.
 
 Why: frspec's K-quant kernels take 8-bit (Q8_K) activations by default, as llama.cpp does, or f32 activations
-(FRSPEC_KQUANT_ACTIVATIONS=f32). This puts a number on what the 8-bit activations cost, next to what they cost
+(FRSPEC_ACTIVATIONS=f32). This puts a number on what the 8-bit activations cost, next to what they cost
 llama.cpp on the same file: the file's f32 twin (every tensor dequantized, written as f32, scored by frspec in f32)
 is the reference, and every engine scores the same fixed token sequence (the first 400 tokens of the MT-Bench first
 turns as llama.cpp tokenizes them for SmolLM2, datasets/fixtures/), position by position.
@@ -34,7 +34,7 @@ FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "mt
 
 def frspec_logits(frspec: str, model: Path, tokens: Path, activations: str, out: Path) -> np.ndarray:
     subprocess.run([frspec, "score", "--model", str(model), "--tokens-file", str(tokens), "--json", "--logits-out", str(out)],
-                   check=True, stdout=subprocess.DEVNULL, env={**os.environ, "FRSPEC_KQUANT_ACTIVATIONS": activations})
+                   check=True, stdout=subprocess.DEVNULL, env={**os.environ, "FRSPEC_ACTIVATIONS": activations})
     return np.load(out)
 
 

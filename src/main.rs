@@ -48,6 +48,8 @@ fn report(e: &anyhow::Error) {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    // A mistyped FRSPEC_ACTIVATIONS is refused here rather than ignored where the first product reads it.
+    frspec::engine::cpu::tensor::Activations::from_env_checked()?;
     match cli.command {
         Command::Generate { model, prompt, system, max_new_tokens, temperature, top_p, seed, spec } => {
             let sampling = Sampling::new(temperature, top_p)?;

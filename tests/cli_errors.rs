@@ -639,3 +639,14 @@ fn comparing_folders_that_hold_no_sweep() {
     let err = fails(&["compare", d, d], &[]);
     assert!(err.contains("runs.parquet is not a readable Parquet file"), "{err}");
 }
+
+#[test]
+fn unknown_activations_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = fails(&["score", "--model", "smollm2", "--tokens-file", &tokens_file(dir.path())], &[("FRSPEC_ACTIVATIONS", Path::new("int4"))]);
+    assert!(err.contains("FRSPEC_ACTIVATIONS is `int4`: expected f32, kquants or q8"), "{err}");
+    let out = dir.path().join("sweep");
+    let err = fails(&["sweep", "--num-prompts", "1", "--out", out.to_str().unwrap()], &[("FRSPEC_ACTIVATIONS", Path::new("q4"))]);
+    assert!(err.contains("FRSPEC_ACTIVATIONS is `q4`"), "{err}");
+    assert!(!out.exists(), "a refused sweep left a folder");
+}

@@ -130,7 +130,7 @@ fn compare(a: &frspec::score::Score, b: &frspec::score::Score) -> (usize, f32, f
     (agree, differences().fold(0f32, f32::max), differences().sum::<f32>() / a.logits.len() as f32)
 }
 
-/// `frspec score` in another process with `FRSPEC_KQUANT_ACTIVATIONS` set: each position's top-1 and log-probability.
+/// `frspec score` in another process with `FRSPEC_ACTIVATIONS` set: each position's top-1 and log-probability.
 fn scored(model: &Path, tokens_file: &Path, activations: &str) -> Vec<(u64, f64)> {
     let out = Command::new(env!("CARGO_BIN_EXE_frspec"))
         .args(["score", "--model"])
@@ -138,7 +138,7 @@ fn scored(model: &Path, tokens_file: &Path, activations: &str) -> Vec<(u64, f64)
         .arg("--tokens-file")
         .arg(tokens_file)
         .arg("--json")
-        .env("FRSPEC_KQUANT_ACTIVATIONS", activations)
+        .env("FRSPEC_ACTIVATIONS", activations)
         .output()
         .unwrap();
     assert!(out.status.success(), "frspec score: {}", String::from_utf8_lossy(&out.stderr));
@@ -149,7 +149,7 @@ fn scored(model: &Path, tokens_file: &Path, activations: &str) -> Vec<(u64, f64)
 #[test]
 fn a_model_of_k_quants_only_scores_like_its_dequantized_twin() {
     // The parent's environment must not choose the in-process mode.
-    assert!(std::env::var_os("FRSPEC_KQUANT_ACTIVATIONS").is_none(), "unset FRSPEC_KQUANT_ACTIVATIONS to run this test");
+    assert!(std::env::var_os("FRSPEC_ACTIVATIONS").is_none(), "unset FRSPEC_ACTIVATIONS to run this test");
     let dir = tempfile::tempdir().unwrap();
     let tokens = tokens();
     let n = tokens.len() - 1;

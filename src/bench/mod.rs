@@ -35,9 +35,9 @@ pub struct DecodeBench {
     pub decode_tok_s_runs: Vec<f64>,
     pub prefill_tok_s_runs: Vec<f64>,
     pub batched_decode_tok_s_runs: Vec<f64>,
-    /// Matrices per weight type, and how K-quant rows meet their activations (`FRSPEC_KQUANT_ACTIVATIONS`).
+    /// Matrices per weight type, and which rows meet 8-bit activations (`tensor::Activations`).
     pub weight_types: std::collections::BTreeMap<&'static str, usize>,
-    pub kquant_activations: &'static str,
+    pub activations: &'static str,
     /// Bytes the loaded weights occupy, the model file's size, and the process's peak resident memory at the end
     /// (Linux; 0 elsewhere).
     pub weight_bytes: usize,
@@ -119,7 +119,7 @@ pub fn decode(target: &Target, question: &str, new_tokens: usize, runs: usize, b
         prefill_tok_s_runs: prefill_runs,
         batched_decode_tok_s_runs: batched_runs,
         weight_types: model.weight_types(),
-        kquant_activations: crate::engine::cpu::tensor::KQuantActivations::detect().name(),
+        activations: crate::engine::cpu::tensor::Activations::get().name(),
         weight_bytes: model.weight_bytes(),
         file_bytes: std::fs::metadata(&target.source).map_or(0, |m| m.len()),
         peak_rss_bytes: peak_rss_bytes(),

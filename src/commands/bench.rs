@@ -45,7 +45,7 @@ pub fn decode(r: &Decode) -> Result<bool> {
         } else {
             println!("model {} ({} threads, median of {} runs)", target.source.display(), b.threads, b.runs);
             let types: Vec<String> = b.weight_types.iter().map(|(t, n)| format!("{n} {t}")).collect();
-            println!("weights {} (K-quant activations: {})", types.join(", "), b.kquant_activations);
+            println!("weights {} (activations: {})", types.join(", "), b.activations);
             let mib = |v: f64| v / (1u64 << 20) as f64;
             println!(
                 "memory  {:.1} MiB of weights, peak resident {:.1} MiB, file {:.1} MiB ({:.2}× the file)",

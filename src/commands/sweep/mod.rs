@@ -223,6 +223,7 @@ fn sweep(settings: &Settings, out: &Path, options: &Options, parts: &[Part]) -> 
     let questions = questions(settings)?;
     check(settings, &questions)?;
 
+    crate::engine::cpu::tensor::Activations::set(settings.activations)?;
     let target = Target::load(&settings.model)?;
     let context = target.model.config.context_length;
     if settings.max_new_tokens >= context {

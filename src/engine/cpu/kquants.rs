@@ -132,15 +132,8 @@ pub struct BlockQ8K {
 /// −127; a positive d is as exact and the vector version gives these bits).
 pub fn quantize_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
     for xs in x.chunks_exact(QK_K) {
-        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
         let mut b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] };
-        if amax != 0.0 {
-            let iscale = 127.0 / amax;
-            for (q, v) in b.qs.iter_mut().zip(xs) {
-                *q = (v * iscale).round_ties_even().clamp(-127.0, 127.0) as i8;
-            }
-            b.d = amax / 127.0;
-        }
+        b.d = super::q8::quantize_run(xs, &mut b.qs);
         sum_sixteens(&mut b);
         out.push(b);
     }

@@ -5,6 +5,7 @@
 pub mod draft;
 pub mod kquants;
 pub mod model;
+pub mod q8;
 pub mod tensor;
 
 use crate::speculative::{Batch, Block, HeadRows, HostLogits, Positions, TargetModel};

@@ -7,10 +7,11 @@
 //! product for Q4_1. Here every output element is one `dot` of one weight row with one activation row, always
 //! in the same order, whatever the batch size or thread count; activations stay f32, so results follow an f32
 //! reference that dequantizes the weights. The exception is K-quant rows, which by default meet activations
-//! quantized to 8 bits as llama.cpp does (`KQuantActivations`): still per activation row, so a block still equals
-//! its rows, and the integer sums are exact.
+//! quantized to 8 bits as llama.cpp does, and every quantized row with `Activations::Q8` (`q8`): still per activation
+//! row, so a block still equals its rows, and the integer sums are exact.
 
 use super::kquants::{self, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, SuperBlock, QK_K, SUBS};
+use super::q8::{self, Q8Rows, Q8View};
 use half::f16;
 use rayon::prelude::*;
 
@@ -181,30 +182,38 @@ impl Matrix {
     /// in one parallel region: the pool's threads are woken once, not once a matrix (waking a sleeping thread cost
     /// a tenth of decode on a 2-core virtual machine). All matrices have `x`'s row width.
     pub fn matmul_many(x: &[f32], products: &mut [(&Matrix, &mut [f32])], scratch: &mut MatmulScratch) {
-        Matrix::matmul_many_with(Kernel::detect(), KQuantActivations::detect(), x, products, scratch)
+        Matrix::matmul_many_with(Kernel::detect(), Activations::get(), x, products, scratch)
     }
 
     fn is_k_quant(&self) -> bool {
         matches!(self.storage, Storage::Q4K(_) | Storage::Q5K(_) | Storage::Q6K(_))
     }
 
+    /// Rows of blocks of 32 (Q4_0, Q4_1, Q8_0).
+    fn is_block_quant(&self) -> bool {
+        matches!(self.storage, Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_))
+    }
+
     #[cfg(test)]
-    fn matmul_with(&self, kernel: Kernel, activations: KQuantActivations, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+    fn matmul_with(&self, kernel: Kernel, activations: Activations, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
         Matrix::matmul_many_with(kernel, activations, x, &mut [(self, out)], scratch)
     }
 
-    fn matmul_many_with(kernel: Kernel, activations: KQuantActivations, x: &[f32], products: &mut [(&Matrix, &mut [f32])], scratch: &mut MatmulScratch) {
+    fn matmul_many_with(kernel: Kernel, activations: Activations, x: &[f32], products: &mut [(&Matrix, &mut [f32])], scratch: &mut MatmulScratch) {
         let cols = products[0].0.cols;
         let n = x.len() / cols;
         debug_assert_eq!(x.len(), n * cols);
         debug_assert!(products.iter().all(|(m, out)| m.cols == cols && out.len() == n * m.rows));
+        // Each activation row is quantized on its own, so a row's products never depend on the others'.
         scratch.q8.clear();
-        let integer = activations == KQuantActivations::Q8;
-        if products.iter().any(|(m, _)| m.is_k_quant() && integer) {
-            // Each activation row is quantized on its own, so a row's products never depend on the others'.
+        if activations != Activations::F32 && products.iter().any(|(m, _)| m.is_k_quant()) {
             quantize_q8k(kernel, x, &mut scratch.q8);
         }
-        let q8 = &scratch.q8;
+        scratch.q8_32.clear();
+        if activations == Activations::Q8 && products.iter().any(|(m, _)| m.is_block_quant()) {
+            quantize_q8_32(kernel, x, &mut scratch.q8_32);
+        }
+        let (q8, q8_32) = (&scratch.q8, &scratch.q8_32);
         // The matrices' rows, stacked, are split into chunks, one task each; the result is written row-major
         // [rows, n] then transposed, so each task owns a contiguous slice of the output. A chunk may cover the end
         // of one matrix and the start of the next.
@@ -222,7 +231,7 @@ impl Matrix {
             for (start, m) in matrices() {
                 let (from, to) = (first.max(start), end.min(start + m.rows));
                 if from < to {
-                    m.rows_into(kernel, from - start..to - start, x, q8, &mut chunk[(from - first) * n..(to - first) * n]);
+                    m.rows_into(kernel, from - start..to - start, x, q8, q8_32, &mut chunk[(from - first) * n..(to - first) * n]);
                 }
             }
         };
@@ -246,9 +255,9 @@ impl Matrix {
     /// one group of activation rows at a time: the group stays in L1 and the tile in L2 however many rows the batch
     /// has (all rows against every weight row overflow L1 past about 20 rows of 576 and ran a batch of verification
     /// blocks 1.5× slower than the blocks one by one).
-    fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], out: &mut [f32]) {
+    fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q8_32: &Q8Rows, out: &mut [f32]) {
         let n = x.len() / self.cols;
-        let nk = self.superblocks_per_row();
+        let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
         for tile in rows.clone().step_by(ROW_TILE) {
             let end = (tile + ROW_TILE).min(rows.end);
             let mut b = 0;
@@ -256,37 +265,43 @@ impl Matrix {
                 let g = (n - b).min(GROUP);
                 let xs = &x[b * self.cols..(b + g) * self.cols];
                 let qs = if q8.is_empty() || !self.is_k_quant() { &q8[..0] } else { &q8[b * nk..(b + g) * nk] };
-                self.tile_dots(kernel, tile..end, xs, qs, &mut out[(tile - rows.start) * n + b..], n, g);
+                let q32 = (!q8_32.is_empty() && self.is_block_quant()).then(|| q8_32.rows(b..b + g, nb));
+                self.tile_dots(kernel, tile..end, xs, qs, q32, &mut out[(tile - rows.start) * n + b..], n, g);
                 b += g;
             }
         }
     }
 
     /// Dots of the weight rows `rows` with each of the `g` (≤ GROUP) activation rows in `x` (in `q8` instead, as
-    /// Q8_K blocks, when K-quant rows take integer products): row r's go to `out[(r − rows.start) · stride..][..g]`.
-    fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], out: &mut [f32], stride: usize, g: usize) {
-        let nk = self.superblocks_per_row();
-        // Integer K-quant products take a whole tile per call: their rows are short (3 super-blocks at d = 768)
-        // and a call per row cost a fifth of decode.
-        macro_rules! k8_tile {
-            ($v:expr) => {{
-                let w = &$v[rows.start * nk..rows.end * nk];
+    /// Q8_K blocks, when K-quant rows take integer products; in `q32` when blocks of 32 do): row r's go to
+    /// `out[(r − rows.start) · stride..][..g]`.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q32: Option<Q8View>, out: &mut [f32], stride: usize, g: usize) {
+        let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
+        // Integer products take a whole tile per call, with the group size as a constant: K-quant rows are short (3
+        // super-blocks at d = 768) and a call per row cost a fifth of decode; blocks of 32 go 16 rows a vector.
+        macro_rules! tile {
+            ($f:ident, $v:expr, $per_row:expr, $a:expr) => {{
+                let w = &$v[rows.start * $per_row..rows.end * $per_row];
                 match g {
-                    1 => dots_k8_rows::<1>(kernel, w, nk, q8, out, stride),
-                    2 => dots_k8_rows::<2>(kernel, w, nk, q8, out, stride),
-                    3 => dots_k8_rows::<3>(kernel, w, nk, q8, out, stride),
-                    4 => dots_k8_rows::<4>(kernel, w, nk, q8, out, stride),
-                    5 => dots_k8_rows::<5>(kernel, w, nk, q8, out, stride),
-                    6 => dots_k8_rows::<6>(kernel, w, nk, q8, out, stride),
-                    7 => dots_k8_rows::<7>(kernel, w, nk, q8, out, stride),
-                    _ => dots_k8_rows::<8>(kernel, w, nk, q8, out, stride),
+                    1 => $f::<1, _>(kernel, w, $per_row, $a, out, stride),
+                    2 => $f::<2, _>(kernel, w, $per_row, $a, out, stride),
+                    3 => $f::<3, _>(kernel, w, $per_row, $a, out, stride),
+                    4 => $f::<4, _>(kernel, w, $per_row, $a, out, stride),
+                    5 => $f::<5, _>(kernel, w, $per_row, $a, out, stride),
+                    6 => $f::<6, _>(kernel, w, $per_row, $a, out, stride),
+                    7 => $f::<7, _>(kernel, w, $per_row, $a, out, stride),
+                    _ => $f::<8, _>(kernel, w, $per_row, $a, out, stride),
                 }
             }};
         }
-        match &self.storage {
-            Storage::Q4K(v) if !q8.is_empty() => k8_tile!(v),
-            Storage::Q5K(v) if !q8.is_empty() => k8_tile!(v),
-            Storage::Q6K(v) if !q8.is_empty() => k8_tile!(v),
+        match (&self.storage, q32) {
+            (Storage::Q4_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a),
+            (Storage::Q4_1(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a),
+            (Storage::Q8_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a),
+            (Storage::Q4K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
+            (Storage::Q5K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
+            (Storage::Q6K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
             _ => {
                 for r in rows.clone() {
                     let at = (r - rows.start) * stride;
@@ -395,33 +410,70 @@ pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 #[derive(Default)]
 pub struct MatmulScratch {
     q8: Vec<BlockQ8K>,
+    q8_32: Q8Rows,
     transposed: Vec<f32>,
 }
 
-/// How K-quant rows meet their activations, chosen once per process (`FRSPEC_KQUANT_ACTIVATIONS=f32|q8`).
-/// `Q8` (the default) quantizes each activation row to ggml's Q8_K and sums in integers, as llama.cpp does: ≈ 4× the
-/// speed of `F32`, llama.cpp's speed and llama.cpp's accuracy (`results/bench/decode-vs-llamacpp-*.Q4_K_M.md`,
-/// `results/numerics/kquants.md`). `F32` keeps activations exact, as for every other weight type: its logits follow
-/// an f32 reference of the dequantized weights to 1e-4.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KQuantActivations {
+/// Which quantized rows meet activations quantized to 8 bits (integer products, as llama.cpp computes them), chosen
+/// once per process: `FRSPEC_ACTIVATIONS=f32|kquants|q8`, or `sweep --activations` (which records it).
+/// - `KQuants` (the default): K-quant rows take Q8_K activations and integer sums, ≈ 4× the speed of f32 there,
+///   llama.cpp's speed and accuracy (`results/bench/decode-vs-llamacpp-*.Q4_K_M.md`, `results/numerics/kquants.md`);
+///   every other row multiplies exact f32 activations.
+/// - `Q8`: Q4_0, Q4_1 and Q8_0 rows too, with activations in blocks of 32 (`q8`): llama.cpp's arithmetic for them.
+/// - `F32`: every product with exact activations: logits follow an f32 reference of the dequantized weights to 1e-4
+///   (what the candle engine computes, so its records compare with these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activations {
     F32,
+    #[value(name = "kquants")]
+    KQuants,
     Q8,
 }
 
-impl KQuantActivations {
-    pub fn detect() -> KQuantActivations {
-        static MODE: std::sync::OnceLock<KQuantActivations> = std::sync::OnceLock::new();
-        *MODE.get_or_init(|| match std::env::var("FRSPEC_KQUANT_ACTIVATIONS").as_deref() {
-            Ok("f32") => KQuantActivations::F32,
-            _ => KQuantActivations::Q8,
-        })
+static ACTIVATIONS: std::sync::OnceLock<Activations> = std::sync::OnceLock::new();
+
+impl Activations {
+    /// The process's mode: what `set` chose, else `FRSPEC_ACTIVATIONS`, else `KQuants`. Fixed at the first call.
+    pub fn get() -> Activations {
+        *ACTIVATIONS.get_or_init(Activations::from_env)
+    }
+
+    /// `FRSPEC_ACTIVATIONS`, or the default when it is not set (an unknown value is refused where the mode is
+    /// chosen: `from_env_checked`).
+    fn from_env() -> Activations {
+        Activations::from_env_checked().unwrap_or(Activations::default_mode())
+    }
+
+    /// `FRSPEC_ACTIVATIONS` read, with one error for a value that names no mode.
+    pub fn from_env_checked() -> anyhow::Result<Activations> {
+        match std::env::var("FRSPEC_ACTIVATIONS") {
+            Err(_) => Ok(Activations::default_mode()),
+            Ok(v) => <Activations as clap::ValueEnum>::from_str(&v, true)
+                .map_err(|_| anyhow::anyhow!("FRSPEC_ACTIVATIONS is `{v}`: expected f32, kquants or q8")),
+        }
+    }
+
+    /// Makes `mode` the process's mode before any product runs; an error if a product already ran with another.
+    pub fn set(mode: Activations) -> anyhow::Result<()> {
+        let chosen = *ACTIVATIONS.get_or_init(|| mode);
+        anyhow::ensure!(chosen == mode, "activations are already {} in this process, not {}", chosen.name(), mode.name());
+        Ok(())
+    }
+
+    pub fn default_mode() -> Activations {
+        Activations::KQuants
+    }
+
+    pub fn is_default(&self) -> bool {
+        *self == Activations::default_mode()
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            KQuantActivations::F32 => "f32",
-            KQuantActivations::Q8 => "q8",
+            Activations::F32 => "f32",
+            Activations::KQuants => "kquants",
+            Activations::Q8 => "q8",
         }
     }
 }
@@ -575,9 +627,53 @@ fn quantize_q8k(kernel: Kernel, x: &[f32], out: &mut Vec<BlockQ8K>) {
     kquants::quantize_q8k(x, out)
 }
 
+/// Activation rows in blocks of 32 for the integer products of blocks of 32 (`q8::quantize_run`, with vector
+/// instructions where the kernel has them: the same bits).
+fn quantize_q8_32(kernel: Kernel, x: &[f32], out: &mut Q8Rows) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
+        // SAFETY: these kernels are only chosen when the CPU reports avx2, fma and f16c; runs are blocks of 32.
+        return out.quantize(x, |xs, qs| unsafe { avx2::quantize_run(xs, qs) });
+    }
+    let _ = kernel;
+    out.quantize(x, q8::quantize_run)
+}
+
+/// Rows of blocks of 32 (`w`: whole rows of `nb` blocks) times N activation rows in blocks of 32 (`a`): row r's N
+/// products go to `out[r · stride..][..N]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it, else the scalar
+/// reference: the same bits either way (`q8::dot_row`), but a CPU without VNNI is better served by `kquants`.
+fn dots_q8_rows<const N: usize, B: Q8Block>(kernel: Kernel, w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 && has_vnni() {
+        assert!(w.len() / nb <= 1 + (out.len().saturating_sub(N)) / stride && a.qs.len() >= N * nb * QK && a.d.len() >= N * nb && a.sums.len() >= N * nb);
+        // SAFETY: Kernel::Avx512 means avx512f/bw/vl, avx2, fma and f16c; has_vnni() checked avx512vnni; the bounds
+        // are checked above.
+        return unsafe { q8::avx512::dots_rows::<N, B>(w, nb, a, out, stride) };
+    }
+    let _ = kernel;
+    q8::dots_rows_scalar::<N, B>(w, nb, a, out, stride)
+}
+
+/// Whether the CPU has AVX-512 VNNI (the integer products of `dots_q8_rows`).
+#[cfg(target_arch = "x86_64")]
+fn has_vnni() -> bool {
+    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni"))
+}
+
+/// A block of 32 with its integer products where the architecture has them.
+#[cfg(target_arch = "x86_64")]
+trait Q8Block: q8::avx512::VectorBlock {}
+#[cfg(target_arch = "x86_64")]
+impl<B: q8::avx512::VectorBlock> Q8Block for B {}
+#[cfg(not(target_arch = "x86_64"))]
+trait Q8Block: q8::IntBlock {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<B: q8::IntBlock> Q8Block for B {}
+
 /// K-quant rows (`w`: whole rows of `nk` super-blocks) times N Q8_K activation rows (`a`, `nk` blocks each): row r's
 /// N products go to `out[r · stride..][..N]`. Per super-block the integer products of `IntegerDot`, in order.
-fn dots_k8_rows<const N: usize>(kernel: Kernel, w: &[impl KBlock], nk: usize, a: &[BlockQ8K], out: &mut [f32], stride: usize) {
+fn dots_k8_rows<const N: usize, B: KBlock>(kernel: Kernel, w: &[B], nk: usize, a: &[BlockQ8K], out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
     if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
         assert!(w.len() / nk <= 1 + (out.len().saturating_sub(N)) / stride && a.len() >= N * nk);
@@ -846,36 +942,48 @@ mod avx2 {
         unsafe fn accumulate<const N: usize>(&self, a: &[&BlockQ8K; N], acc: &mut [__m256; N]);
     }
 
-    /// `quantize_q8k` with vector instructions, to the same bits (max, the multiply and ties-to-even rounding are
-    /// the same IEEE operations; the packing saturates where the scalar version clamps, at ±127 already).
+    /// `quantize_q8k` with vector instructions, to the same bits.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn quantize_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
-        let sign = _mm256_set1_ps(-0.0);
         for xs in x.chunks_exact(QK_K) {
-            let p = xs.as_ptr();
-            let mut m = _mm256_setzero_ps();
-            for i in (0..QK_K).step_by(8) {
-                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(i))));
-            }
-            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
             let mut b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] };
-            if amax != 0.0 {
-                let iscale = _mm256_set1_ps(127.0 / amax);
-                // packs interleave 128-bit lanes: dwords come out as (0 4 1 5 2 6 3 7).
-                let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-                for i in (0..QK_K).step_by(32) {
-                    let lo = _mm256_packs_epi32(round8(p.add(i), iscale), round8(p.add(i + 8), iscale));
-                    let hi = _mm256_packs_epi32(round8(p.add(i + 16), iscale), round8(p.add(i + 24), iscale));
-                    let q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
-                    _mm256_storeu_si256(b.qs.as_mut_ptr().add(i) as *mut __m256i, q);
-                }
-                b.d = amax / 127.0;
-            }
+            b.d = quantize_run(xs, &mut b.qs);
             super::kquants::sum_sixteens(&mut b);
             out.push(b);
         }
+    }
+
+    /// `q8::quantize_run` with vector instructions, to the same bits (max, the multiply and ties-to-even rounding are
+    /// the same IEEE operations; the packing saturates where the scalar version clamps, at ±127 already).
+    ///
+    /// # Safety
+    /// On a CPU with avx2 and fma; `xs.len()` a multiple of 32 and `qs` at least as long.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_run(xs: &[f32], qs: &mut [i8]) -> f32 {
+        assert!(xs.len() % QK == 0 && qs.len() >= xs.len());
+        let sign = _mm256_set1_ps(-0.0);
+        let p = xs.as_ptr();
+        let mut m = _mm256_setzero_ps();
+        for i in (0..xs.len()).step_by(8) {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(i))));
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+        if amax == 0.0 {
+            qs[..xs.len()].fill(0);
+            return 0.0;
+        }
+        let iscale = _mm256_set1_ps(127.0 / amax);
+        // packs interleave 128-bit lanes: dwords come out as (0 4 1 5 2 6 3 7).
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for i in (0..xs.len()).step_by(32) {
+            let lo = _mm256_packs_epi32(round8(p.add(i), iscale), round8(p.add(i + 8), iscale));
+            let hi = _mm256_packs_epi32(round8(p.add(i + 16), iscale), round8(p.add(i + 24), iscale));
+            let q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
+            _mm256_storeu_si256(qs.as_mut_ptr().add(i) as *mut __m256i, q);
+        }
+        amax / 127.0
     }
 
     /// Eight values times `scale`, rounded to the nearest integer (ties to even).
@@ -1263,12 +1371,38 @@ mod tests {
     #[test]
     fn every_kernel_matches_the_dequantized_reference_and_a_block_equals_its_rows() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        // 9 rows of activations: more than one group of GROUP = 8.
-        let (rows, cols, n) = (70, 96, 9);
+        // 9 rows of activations: more than one group of GROUP = 8. Rows of 3 blocks (one pair and an odd one for the
+        // integer kernel) and of 18 (SmolLM2's width: Q4_1 offsets in more than one run of 16 blocks).
+        for (rows, cols, n) in [(70, 96, 9), (20, 576, 9)] {
+            let q41 = random_q4_1(rows, cols, &mut rng);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for m in all_storages(&q41, &mut rng) {
+                kernels_agree(&m, &dense(&m), &x, Activations::F32, |_| 1e-4);
+                // Integer products: exact sums of the quantized activations, combined in f32.
+                kernels_agree(&m, &dense(&m), &x, Activations::Q8, |scale| 1e-5 * scale);
+            }
+        }
+    }
+
+    /// Integer products of blocks of 32 follow one arithmetic (`q8::dot_row`): the vector kernel's 16 rows a lane,
+    /// masked lanes for the last rows included, give the scalar reference's bits.
+    #[test]
+    fn integer_products_of_blocks_of_32_give_the_same_bits_on_every_kernel() {
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let (rows, cols, n) = (37, 160, 3);
         let q41 = random_q4_1(rows, cols, &mut rng);
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-        for m in all_storages(&q41, &mut rng) {
-            kernels_agree(&m, &dense(&m), &x, KQuantActivations::F32, |_| 1e-4);
+        let mut scratch = MatmulScratch::default();
+        for m in all_storages(&q41, &mut rng).iter().filter(|m| m.is_block_quant()) {
+            let products: Vec<Vec<u32>> = Kernel::available()
+                .into_iter()
+                .map(|kernel| {
+                    let mut out = vec![0.0; n * rows];
+                    m.matmul_with(kernel, Activations::Q8, &x, &mut out, &mut scratch);
+                    out.iter().map(|v| v.to_bits()).collect()
+                })
+                .collect();
+            assert!(products.windows(2).all(|p| p[0] == p[1]), "{}: kernels differ", m.dtype_name());
         }
     }
 
@@ -1317,13 +1451,17 @@ mod tests {
     /// Every kernel's product of `m` with each row of `x`: a block of rows equals the rows one by one, bit for bit,
     /// and each value lies within `tolerance(Σ |w x|)` of the exact product of `reference` (m's values) with the
     /// activations the kernel sees: `x`, or its Q8_K values where K-quant rows take integer products.
-    fn kernels_agree(m: &Matrix, reference: &[f32], x: &[f32], activations: KQuantActivations, tolerance: impl Fn(f64) -> f64) {
+    fn kernels_agree(m: &Matrix, reference: &[f32], x: &[f32], activations: Activations, tolerance: impl Fn(f64) -> f64) {
         let (rows, cols) = (m.rows, m.cols);
         let n = x.len() / cols;
-        let seen: Vec<f32> = if m.is_k_quant() && activations == KQuantActivations::Q8 {
+        let seen: Vec<f32> = if m.is_k_quant() && activations != Activations::F32 {
             let mut q8 = Vec::new();
             kquants::quantize_q8k(x, &mut q8);
             q8.iter().flat_map(|b| b.qs.map(|q| b.d * q as f32)).collect()
+        } else if m.is_block_quant() && activations == Activations::Q8 {
+            let mut q8 = Q8Rows::default();
+            q8.quantize(x, q8::quantize_run);
+            q8.qs.iter().enumerate().map(|(i, &q)| q8.d[i / QK] * q as f32).collect()
         } else {
             x.to_vec()
         };
@@ -1373,8 +1511,8 @@ mod tests {
             let ours = dense(&m);
             let worst = ours.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst < 1e-6, "{}: dequantized values differ from candle's by {worst}", m.dtype_name());
-            kernels_agree(&m, &reference, &x, KQuantActivations::F32, |scale| 1e-5 * scale);
-            kernels_agree(&m, &reference, &x, KQuantActivations::Q8, |scale| 1e-5 * scale);
+            kernels_agree(&m, &reference, &x, Activations::F32, |scale| 1e-5 * scale);
+            kernels_agree(&m, &reference, &x, Activations::KQuants, |scale| 1e-5 * scale);
             // The sliced head keeps K-quant rows as they are.
             let picked = m.select_rows(&[3, 17]);
             assert_eq!(dense(&picked), [&ours[3 * cols..4 * cols], &ours[17 * cols..18 * cols]].concat());
@@ -1395,7 +1533,7 @@ mod tests {
         for n in [1, 5] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
             for kernel in Kernel::available() {
-                for activations in [KQuantActivations::F32, KQuantActivations::Q8] {
+                for activations in [Activations::F32, Activations::KQuants, Activations::Q8] {
                     let alone: Vec<Vec<f32>> = [&q41, &q6k, &f]
                         .iter()
                         .map(|m| {
@@ -1429,6 +1567,15 @@ mod tests {
             }
         }
         assert_eq!(reference[0].qs[1..5], [-126, -124, -124, -122], "ties round to even");
+        // Blocks of 32: the same rounding, block by block.
+        let mut reference = Q8Rows::default();
+        reference.quantize(&x, q8::quantize_run);
+        for kernel in Kernel::available() {
+            let mut q = Q8Rows::default();
+            quantize_q8_32(kernel, &x, &mut q);
+            assert!(q.qs == reference.qs && q.d == reference.d && q.sums == reference.sums, "{kernel:?} quantizes blocks of 32 differently");
+        }
+        assert_eq!(reference.qs[1..5], [-126, -124, -124, -122], "ties round to even");
     }
 
     #[test]

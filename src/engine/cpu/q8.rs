@@ -1,0 +1,256 @@
+//! Activations quantized to 8 bits per run of 32 values, and their integer products with Q4_0, Q4_1 and Q8_0 rows
+//! (`Activations::Q8`), as llama.cpp multiplies these types (its Q8_0 / Q8_1 activations).
+//!
+//! Why: with f32 activations every activation row costs two 16-lane multiply-adds per block of 32 weights (the FMA
+//! peak), so a verification block of 5 rows cost 1.96× one row and 8 such blocks together about what they cost apart
+//! (results/bench/f32-kernels-2026-12-01.md). Here a block's product is one `vpdpbusd` per 64 weights and activation
+//! row (AVX-512 VNNI), exact in integers, and an activation row is a quarter of the bytes.
+//!
+//! Each activation row is quantized on its own and its products take the same operations whatever rows run beside
+//! it, so a block of rows still equals its rows one by one, bit for bit (greedy losslessness does not depend on
+//! the activations' precision, only on that).
+
+use super::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+
+/// Quantizes one run of values (a multiple of 32 long) to `qs` with d = max |x| / 127 and q = round(x · 127 / max |x|),
+/// ties to even; returns d (0 for a run of zeros, whose q are 0). The vector versions give the same bits.
+pub fn quantize_run(xs: &[f32], qs: &mut [i8]) -> f32 {
+    let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        qs.fill(0);
+        return 0.0;
+    }
+    let iscale = 127.0 / amax;
+    for (q, v) in qs.iter_mut().zip(xs) {
+        *q = (v * iscale).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    amax / 127.0
+}
+
+/// Activation rows quantized per block of 32 (`quantize_run`), as the integer kernels read them.
+#[derive(Default)]
+pub struct Q8Rows {
+    /// `[rows, cols]` quantized values.
+    pub qs: Vec<i8>,
+    /// Each block's d.
+    pub d: Vec<f32>,
+    /// Each block's d · Σq, what the weights' offsets meet.
+    pub sums: Vec<f32>,
+}
+
+impl Q8Rows {
+    pub fn clear(&mut self) {
+        self.qs.clear();
+        self.d.clear();
+        self.sums.clear();
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.qs.is_empty()
+    }
+
+    /// Appends the rows of `x` (each `cols` long, a multiple of 32), quantized by `quantize` (`quantize_run` or a
+    /// vector version of it).
+    pub fn quantize(&mut self, x: &[f32], quantize: impl Fn(&[f32], &mut [i8]) -> f32) {
+        let start = self.qs.len();
+        self.qs.resize(start + x.len(), 0);
+        for (xs, qs) in x.chunks_exact(QK).zip(self.qs[start..].chunks_exact_mut(QK)) {
+            let d = quantize(xs, qs);
+            self.d.push(d);
+            self.sums.push(d * qs.iter().map(|&q| q as i32).sum::<i32>() as f32);
+        }
+    }
+
+    /// Activation rows `rows` (of `nb` blocks each).
+    pub fn rows(&self, rows: std::ops::Range<usize>, nb: usize) -> Q8View<'_> {
+        Q8View {
+            qs: &self.qs[rows.start * nb * QK..rows.end * nb * QK],
+            d: &self.d[rows.start * nb..rows.end * nb],
+            sums: &self.sums[rows.start * nb..rows.end * nb],
+        }
+    }
+}
+
+/// Some rows of `Q8Rows`.
+#[derive(Clone, Copy)]
+pub struct Q8View<'a> {
+    pub qs: &'a [i8],
+    pub d: &'a [f32],
+    pub sums: &'a [f32],
+}
+
+/// A block of 32 weights as the integer products read it: value l is `d · q(l) + offset` with q unsigned (a byte):
+/// Q4_1's nibble and m, Q4_0's nibble and −8d, Q8_0's q + 128 and −128d (the offsets are exact in f32).
+pub trait IntBlock: Copy + Send + Sync {
+    fn d(&self) -> f32;
+    fn offset(&self) -> f32;
+    fn q(&self, l: usize) -> i32;
+}
+
+fn nibble(qs: &[u8; QK / 2], l: usize) -> i32 {
+    ((qs[l % 16] >> (4 * (l / 16))) & 0x0f) as i32
+}
+
+impl IntBlock for BlockQ4_0 {
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn offset(&self) -> f32 {
+        -8.0 * self.d()
+    }
+    fn q(&self, l: usize) -> i32 {
+        nibble(&self.qs, l)
+    }
+}
+
+impl IntBlock for BlockQ4_1 {
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn offset(&self) -> f32 {
+        self.m.to_f32()
+    }
+    fn q(&self, l: usize) -> i32 {
+        nibble(&self.qs, l)
+    }
+}
+
+impl IntBlock for BlockQ8_0 {
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn offset(&self) -> f32 {
+        -128.0 * self.d()
+    }
+    fn q(&self, l: usize) -> i32 {
+        self.qs[l] as i32 + 128
+    }
+}
+
+/// One weight row times activation row `j` of `a`, the arithmetic every kernel follows (so all give these bits):
+/// per block in order, the exact integer sum S = Σ q·qa, then acc ← S · (d · da) + acc and acc ← offset · (da · Σqa)
+/// + acc, each one fused multiply-add.
+pub fn dot_row<B: IntBlock>(row: &[B], a: &Q8View, j: usize) -> f32 {
+    let nb = row.len();
+    let mut acc = 0f32;
+    for (b, w) in row.iter().enumerate() {
+        let qa = &a.qs[(j * nb + b) * QK..][..QK];
+        let s: i32 = (0..QK).map(|l| w.q(l) * qa[l] as i32).sum();
+        acc = (s as f32).mul_add(w.d() * a.d[j * nb + b], acc);
+        acc = w.offset().mul_add(a.sums[j * nb + b], acc);
+    }
+    acc
+}
+
+/// Weight rows `w` (whole rows of `nb` blocks) times N activation rows of `a`: row r's products go to
+/// `out[r · stride..][..N]`.
+pub fn dots_rows_scalar<const N: usize, B: IntBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+    for (r, row) in w.chunks_exact(nb).enumerate() {
+        for j in 0..N {
+            out[r * stride + j] = dot_row(row, a, j);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use super::{IntBlock, Q8View, QK};
+    use crate::engine::cpu::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0};
+    use std::arch::x86_64::*;
+
+    /// How a block type's bytes are laid out, for gathering the same block of 16 rows into vectors.
+    pub trait VectorBlock: IntBlock {
+        /// Where the 16-bit d is (Q4_1's m follows it).
+        const HEADER: usize = 0;
+        /// Where the values start.
+        const VALUES: usize;
+        /// Whether values are nibbles (element l < 16 low, l ≥ 16 high, of byte l % 16), else signed bytes.
+        const NIBBLES: bool;
+        /// Whether the offset is the f16 after d (Q4_1), else `OFFSET_TIMES_D` · d.
+        const OWN_OFFSET: bool = false;
+        const OFFSET_TIMES_D: f32 = 0.0;
+    }
+
+    impl VectorBlock for BlockQ4_0 {
+        const VALUES: usize = 2;
+        const NIBBLES: bool = true;
+        const OFFSET_TIMES_D: f32 = -8.0;
+    }
+
+    impl VectorBlock for BlockQ4_1 {
+        const VALUES: usize = 4;
+        const NIBBLES: bool = true;
+        const OWN_OFFSET: bool = true;
+    }
+
+    impl VectorBlock for BlockQ8_0 {
+        const VALUES: usize = 2;
+        const NIBBLES: bool = false;
+        const OFFSET_TIMES_D: f32 = -128.0;
+    }
+
+    /// Weight rows times N activation rows, as `dots_rows_scalar` and to its bits: 16 weight rows at a time, one
+    /// per lane. For each block, four bytes of each row are gathered into one vector (the same four values of 16
+    /// rows), and `vpdpbusd` multiplies them by the same four activation values broadcast: 8 instructions give a
+    /// block's exact sums for 16 rows (with per-row products, one instruction covered 64 products and every one
+    /// needed its own conversion and scaling). The last rows fill fewer lanes (masked), with the same arithmetic.
+    ///
+    /// # Safety
+    /// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c; `w` is whole rows of `nb` blocks,
+    /// `a` holds N rows of `nb` blocks and `out` reaches row r's `r · stride + N`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+        let rows = w.len() / nb;
+        let size = std::mem::size_of::<B>();
+        let row_bytes = (nb * size) as i32;
+        let index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_bytes));
+        let (low4, flip) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(-128));
+        let zero = _mm512_setzero_si512();
+        for first in (0..rows).step_by(16) {
+            let lanes = (rows - first).min(16);
+            let mask: __mmask16 = ((1u32 << lanes) - 1) as __mmask16;
+            let group = w.as_ptr().add(first * nb) as *const u8;
+            let mut acc = [_mm512_setzero_ps(); N];
+            for b in 0..nb {
+                let block = group.add(b * size);
+                let header = _mm512_mask_i32gather_epi32::<1>(zero, mask, index, block.add(B::HEADER) as *const i32);
+                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header));
+                let offset = if B::OWN_OFFSET {
+                    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(header)))
+                } else {
+                    _mm512_mul_ps(d, _mm512_set1_ps(B::OFFSET_TIMES_D))
+                };
+                // values[t]: elements 4t .. 4t + 4 of each row's block, as unsigned bytes.
+                let mut values = [zero; 8];
+                if B::NIBBLES {
+                    for u in 0..4 {
+                        let v = _mm512_mask_i32gather_epi32::<1>(zero, mask, index, block.add(B::VALUES + 4 * u) as *const i32);
+                        values[u] = _mm512_and_si512(v, low4);
+                        values[u + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+                    }
+                } else {
+                    for (t, v) in values.iter_mut().enumerate() {
+                        *v = _mm512_xor_si512(_mm512_mask_i32gather_epi32::<1>(zero, mask, index, block.add(B::VALUES + 4 * t) as *const i32), flip);
+                    }
+                }
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let qa = a.qs.as_ptr().add((j * nb + b) * QK) as *const i32;
+                    let mut s = zero;
+                    for (t, v) in values.iter().enumerate() {
+                        s = _mm512_dpbusd_epi32(s, *v, _mm512_set1_epi32(std::ptr::read_unaligned(qa.add(t))));
+                    }
+                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(*a.d.get_unchecked(j * nb + b)));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *acc);
+                    *acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(*a.sums.get_unchecked(j * nb + b)), *acc);
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                let mut lanes_out = [0f32; 16];
+                _mm512_storeu_ps(lanes_out.as_mut_ptr(), *acc);
+                for (r, v) in lanes_out.iter().enumerate().take(lanes) {
+                    *out.get_unchecked_mut((first + r) * stride + j) = *v;
+                }
+            }
+        }
+    }
+}
