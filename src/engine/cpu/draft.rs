@@ -187,8 +187,14 @@ impl WeightSource for TensorFile {
         let &[rows, cols] = t.dims() else {
             bail!("{}: tensor {key} has shape {:?}, expected 2 dimensions", self.path.display(), t.dims())
         };
-        let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        Ok(Matrix { rows, cols, storage: super::tensor::Storage::F32(values) })
+        // f16 rows stay f16, as a target's do: half the bytes a draft step reads, and the same products (the f16
+        // kernel widens each weight exactly and sums as the f32 one does).
+        let flat = t.flatten_all()?;
+        let storage = match t.dtype() {
+            DType::F16 => super::tensor::Storage::F16(flat.to_vec1::<half::f16>()?),
+            _ => super::tensor::Storage::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+        };
+        Ok(Matrix { rows, cols, storage })
     }
 
     fn vector(&self, name: &str) -> Result<Vec<f32>> {
