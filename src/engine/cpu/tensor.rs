@@ -265,14 +265,16 @@ impl Matrix {
     fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q8_32: &Q8Rows, out: &mut [f32]) {
         let n = x.len() / self.cols;
         let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
+        let integer_blocks = !q8_32.is_empty() && self.is_block_quant();
+        let group = if integer_blocks { Q8_GROUP } else { GROUP };
         for tile in rows.clone().step_by(ROW_TILE) {
             let end = (tile + ROW_TILE).min(rows.end);
             let mut b = 0;
             while b < n {
-                let g = (n - b).min(GROUP);
+                let g = (n - b).min(group);
                 let xs = &x[b * self.cols..(b + g) * self.cols];
                 let qs = if q8.is_empty() || !self.is_k_quant() { &q8[..0] } else { &q8[b * nk..(b + g) * nk] };
-                let q32 = (!q8_32.is_empty() && self.is_block_quant()).then(|| q8_32.rows(b..b + g, nb));
+                let q32 = integer_blocks.then(|| q8_32.rows(b..b + g, nb));
                 self.tile_dots(kernel, tile..end, xs, qs, q32, &mut out[(tile - rows.start) * n + b..], n, g);
                 b += g;
             }
@@ -298,7 +300,15 @@ impl Matrix {
                     5 => $f::<5, _>(kernel, w, $per_row, $a, out, stride),
                     6 => $f::<6, _>(kernel, w, $per_row, $a, out, stride),
                     7 => $f::<7, _>(kernel, w, $per_row, $a, out, stride),
-                    _ => $f::<8, _>(kernel, w, $per_row, $a, out, stride),
+                    8 => $f::<8, _>(kernel, w, $per_row, $a, out, stride),
+                    9 => $f::<9, _>(kernel, w, $per_row, $a, out, stride),
+                    10 => $f::<10, _>(kernel, w, $per_row, $a, out, stride),
+                    11 => $f::<11, _>(kernel, w, $per_row, $a, out, stride),
+                    12 => $f::<12, _>(kernel, w, $per_row, $a, out, stride),
+                    13 => $f::<13, _>(kernel, w, $per_row, $a, out, stride),
+                    14 => $f::<14, _>(kernel, w, $per_row, $a, out, stride),
+                    15 => $f::<15, _>(kernel, w, $per_row, $a, out, stride),
+                    _ => $f::<16, _>(kernel, w, $per_row, $a, out, stride),
                 }
             }};
         }
@@ -357,6 +367,10 @@ const PARALLEL_MIN_MACS: usize = 1 << 16;
 
 /// How many activation rows share one unpacking of a weight row (bounded by the 16 vector registers).
 const GROUP: usize = 8;
+
+/// The same for the integer products of blocks of 32, which hold an activation row's sums in one register (16 rows
+/// a vector): each group gathers the weights again, and 40 rows in groups of 8 cost 8 times what 5 rows cost.
+const Q8_GROUP: usize = 16;
 
 /// Weight rows a task takes through every activation group before moving on (64 f32 rows of 576 are 144 KiB).
 const ROW_TILE: usize = 64;
@@ -1381,9 +1395,9 @@ mod tests {
     #[test]
     fn every_kernel_matches_the_dequantized_reference_and_a_block_equals_its_rows() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        // 9 rows of activations: more than one group of GROUP = 8. Rows of 3 blocks (one pair and an odd one for the
+        // 9 and 17 rows of activations: more than one group (8 rows, 16 for integer blocks of 32). Rows of 3 blocks (one pair and an odd one for the
         // integer kernel) and of 18 (SmolLM2's width: Q4_1 offsets in more than one run of 16 blocks).
-        for (rows, cols, n) in [(70, 96, 9), (20, 576, 9)] {
+        for (rows, cols, n) in [(70, 96, 9), (20, 576, 17)] {
             let q41 = random_q4_1(rows, cols, &mut rng);
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
             for m in all_storages(&q41, &mut rng) {
