@@ -290,8 +290,6 @@ pub struct Safetensors {
     path: PathBuf,
     tensors: candle_core::safetensors::MmapedSafetensors,
     names: HashMap<String, ()>,
-    /// Keep f16 weights as f16 (half the memory); everything else becomes f32 on CPU.
-    keep_f16: bool,
 }
 
 impl Safetensors {
@@ -302,7 +300,7 @@ impl Safetensors {
         let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
             .map_err(|e| anyhow!("{} is not a readable safetensors model: {e}", path.display()))?;
         let names = tensors.tensors().into_iter().map(|(n, _)| (n, ())).collect();
-        Ok(Safetensors { path: path.to_path_buf(), tensors, names, keep_f16: true })
+        Ok(Safetensors { path: path.to_path_buf(), tensors, names })
     }
 
     fn load(&self, name: &str) -> Result<candle_core::Tensor> {
@@ -320,6 +318,20 @@ pub fn float_weights(t: &candle_core::Tensor, path: &Path, name: &str) -> Result
         DType::F16 | DType::BF16 | DType::F32 | DType::F64 => Ok(()),
         other => bail!("{}: tensor {name} has dtype {other:?}; frspec reads f32, f16 and bf16 weights", path.display()),
     }
+}
+
+/// A 2-D float tensor (`name` in `path`) as a CPU matrix: f16 weights stay f16 (half the memory and the bytes a
+/// product reads; the f16 kernel widens each weight exactly and sums as the f32 one), every other float becomes f32.
+pub fn matrix_of(t: &candle_core::Tensor, path: &Path, name: &str) -> Result<Matrix> {
+    let &[rows, cols] = t.dims() else {
+        bail!("{}: tensor {name} has shape {:?}, expected 2 dimensions", path.display(), t.dims())
+    };
+    let flat = t.flatten_all()?;
+    let storage = match t.dtype() {
+        DType::F16 => Storage::F16(flat.to_vec1::<f16>()?),
+        _ => Storage::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+    };
+    Ok(Matrix { rows, cols, storage })
 }
 
 /// The shard list of a model folder (index file) or a single file.
@@ -396,15 +408,7 @@ impl WeightSource for Safetensors {
     fn matrix(&self, name: &str) -> Result<Matrix> {
         let t = self.load(name)?;
         float_weights(&t, &self.path, &hf_name(name))?;
-        let &[rows, cols] = t.dims() else {
-            bail!("{}: tensor {} has shape {:?}, expected 2 dimensions", self.path.display(), hf_name(name), t.dims())
-        };
-        let flat = t.flatten_all()?;
-        let storage = match t.dtype() {
-            DType::F16 if self.keep_f16 => Storage::F16(flat.to_vec1::<f16>()?),
-            _ => Storage::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-        };
-        Ok(Matrix { rows, cols, storage })
+        matrix_of(&t, &self.path, &hf_name(name))
     }
 
     fn vector(&self, name: &str) -> Result<Vec<f32>> {

@@ -183,18 +183,7 @@ impl WeightSource for TensorFile {
             Store::Tensors(tensors) => tensors,
             Store::Gguf(gguf) => return gguf.matrix(&key),
         };
-        let t = self.tensor(tensors, &key)?;
-        let &[rows, cols] = t.dims() else {
-            bail!("{}: tensor {key} has shape {:?}, expected 2 dimensions", self.path.display(), t.dims())
-        };
-        // f16 rows stay f16, as a target's do: half the bytes a draft step reads, and the same products (the f16
-        // kernel widens each weight exactly and sums as the f32 one does).
-        let flat = t.flatten_all()?;
-        let storage = match t.dtype() {
-            DType::F16 => super::tensor::Storage::F16(flat.to_vec1::<half::f16>()?),
-            _ => super::tensor::Storage::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-        };
-        Ok(Matrix { rows, cols, storage })
+        crate::loading::weights::matrix_of(self.tensor(tensors, &key)?, &self.path, &key)
     }
 
     fn vector(&self, name: &str) -> Result<Vec<f32>> {

@@ -11,7 +11,7 @@
 //! it, so a block of rows still equals its rows one by one, bit for bit (greedy losslessness does not depend on
 //! the activations' precision, only on that).
 
-use super::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use super::tensor::{nibble, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
 
 /// Quantizes one run of values (a multiple of 32 long) to `qs` with d = max |x| / 127 and q = round(x · 127 / max |x|),
 /// ties to even; returns d (0 for a run of zeros, whose q are 0). The vector versions give the same bits.
@@ -83,24 +83,22 @@ pub struct Q8View<'a> {
 /// A block of 32 weights as the integer products read it: value l is `d · q(l) + offset` with q unsigned (a byte):
 /// Q4_1's nibble and m, Q4_0's nibble and −8d, Q8_0's q + 128 and −128d (the offsets are exact in f32).
 pub trait IntBlock: Copy + Send + Sync {
+    /// The offset as a multiple of d, for the types whose offset follows from d (the vector kernel uses it too).
+    const OFFSET_TIMES_D: f32 = 0.0;
     fn d(&self) -> f32;
-    fn offset(&self) -> f32;
+    fn offset(&self) -> f32 {
+        Self::OFFSET_TIMES_D * self.d()
+    }
     fn q(&self, l: usize) -> i32;
 }
 
-fn nibble(qs: &[u8; QK / 2], l: usize) -> i32 {
-    ((qs[l % 16] >> (4 * (l / 16))) & 0x0f) as i32
-}
-
 impl IntBlock for BlockQ4_0 {
+    const OFFSET_TIMES_D: f32 = -8.0;
     fn d(&self) -> f32 {
         self.d.to_f32()
     }
-    fn offset(&self) -> f32 {
-        -8.0 * self.d()
-    }
     fn q(&self, l: usize) -> i32 {
-        nibble(&self.qs, l)
+        nibble(&self.qs, l) as i32
     }
 }
 
@@ -108,20 +106,19 @@ impl IntBlock for BlockQ4_1 {
     fn d(&self) -> f32 {
         self.d.to_f32()
     }
+    /// Its own m.
     fn offset(&self) -> f32 {
         self.m.to_f32()
     }
     fn q(&self, l: usize) -> i32 {
-        nibble(&self.qs, l)
+        nibble(&self.qs, l) as i32
     }
 }
 
 impl IntBlock for BlockQ8_0 {
+    const OFFSET_TIMES_D: f32 = -128.0;
     fn d(&self) -> f32 {
         self.d.to_f32()
-    }
-    fn offset(&self) -> f32 {
-        -128.0 * self.d()
     }
     fn q(&self, l: usize) -> i32 {
         self.qs[l] as i32 + 128
@@ -167,15 +164,13 @@ pub mod avx512 {
         const VALUES: usize;
         /// Whether values are nibbles (element l < 16 low, l ≥ 16 high, of byte l % 16), else signed bytes.
         const NIBBLES: bool;
-        /// Whether the offset is the f16 after d (Q4_1), else `OFFSET_TIMES_D` · d.
+        /// Whether the offset is the f16 after d (Q4_1), else `IntBlock::OFFSET_TIMES_D` · d.
         const OWN_OFFSET: bool = false;
-        const OFFSET_TIMES_D: f32 = 0.0;
     }
 
     impl VectorBlock for BlockQ4_0 {
         const VALUES: usize = 2;
         const NIBBLES: bool = true;
-        const OFFSET_TIMES_D: f32 = -8.0;
     }
 
     impl VectorBlock for BlockQ4_1 {
@@ -187,7 +182,6 @@ pub mod avx512 {
     impl VectorBlock for BlockQ8_0 {
         const VALUES: usize = 2;
         const NIBBLES: bool = false;
-        const OFFSET_TIMES_D: f32 = -128.0;
     }
 
     /// Weight rows times N activation rows, as `dots_rows_scalar` and to its bits: 16 weight rows at a time, one

@@ -59,14 +59,18 @@ pub trait Block: Copy + Send + Sync {
 }
 
 /// Value l of a 4-bit block: elements 0..16 are the low nibbles, 16..32 the high ones.
-fn nibble(qs: &[u8; QK / 2], l: usize) -> f32 {
-    (if l < QK / 2 { qs[l] & 0x0f } else { qs[l - QK / 2] >> 4 }) as f32
+pub(super) fn nibble(qs: &[u8; QK / 2], l: usize) -> u8 {
+    if l < QK / 2 {
+        qs[l] & 0x0f
+    } else {
+        qs[l - QK / 2] >> 4
+    }
 }
 
 impl Block for BlockQ4_0 {
     fn values(&self) -> [f32; QK] {
         let d = self.d.to_f32();
-        std::array::from_fn(|l| d * (nibble(&self.qs, l) - 8.0))
+        std::array::from_fn(|l| d * (nibble(&self.qs, l) as f32 - 8.0))
     }
 }
 
@@ -74,7 +78,7 @@ impl Block for BlockQ4_1 {
     /// `d · q + m` in one rounding (a fused multiply-add), as the vector kernels compute it.
     fn values(&self) -> [f32; QK] {
         let (d, m) = (self.d.to_f32(), self.m.to_f32());
-        std::array::from_fn(|l| d.mul_add(nibble(&self.qs, l), m))
+        std::array::from_fn(|l| d.mul_add(nibble(&self.qs, l) as f32, m))
     }
 }
 
