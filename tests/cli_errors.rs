@@ -485,7 +485,7 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
         assert_eq!((&b.tokens, &b.features), (&a.tokens, &a.features));
         assert!(b.layers.is_empty() && a.layers.len() == 3 * a.features.len());
     }
-    let draft = frspec::engine::cpu::draft::Eagle3Draft::load(&taken, &target.model).unwrap();
+    let draft = frspec::engine::cpu::draft::EagleDraft::load_eagle3(&taken, &target.model).unwrap();
     assert_eq!(frspec::speculative::Draft::lm_head(&draft).matrix.rows, 64);
 
     // Packed as heads ship, it loads the same; a head that cannot be packed, or a packed one that lacks a tensor, is
@@ -493,7 +493,7 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
     let packed = dir.path().join("packed");
     let done = frspec().args(["pack-head", taken.to_str().unwrap(), "--out", packed.to_str().unwrap()]).output().unwrap();
     assert!(done.status.success() && String::from_utf8_lossy(&done.stdout).contains("model.gguf"), "{}", String::from_utf8_lossy(&done.stderr));
-    let draft = frspec::engine::cpu::draft::Eagle3Draft::load(&packed, &target.model).unwrap();
+    let draft = frspec::engine::cpu::draft::EagleDraft::load_eagle3(&packed, &target.model).unwrap();
     assert_eq!(frspec::speculative::Draft::lm_head(&draft).matrix.rows, 64);
     let pack_fails = |head: &Path, expected: &str| {
         let out = dir.path().join("not-packed");

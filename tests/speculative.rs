@@ -359,12 +359,12 @@ fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft
     synthetic::write_model(dir.path(), &shape, 9, candle_core::DType::F32).unwrap();
     let target = Model::load(dir.path()).unwrap();
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("datasets/fixtures/eagle3-tiny");
-    let mut draft = frspec::engine::cpu::draft::Eagle3Draft::load(&fixture, &target).unwrap();
+    let mut draft = frspec::engine::cpu::draft::EagleDraft::load_eagle3(&fixture, &target).unwrap();
     assert_eq!(draft.target_layers(), [2, 2, 1]);
     let draft_ids: Vec<u32> = (0..100).map(|d| DraftHead::new(draft.lm_head(), None, HeadMode::Slice).unwrap().id(d)).collect();
     assert_eq!(&draft_ids[..4], [0, 5, 6, 7], "d2t offsets map draft ids to target ids");
     let llama = Llama::from_engine(&target, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
-    let mut on_candle = DraftWeights::from_engine(&Loaded::Eagle3(frspec::engine::cpu::draft::Eagle3Draft::load(&fixture, &target).unwrap()), &llama)
+    let mut on_candle = DraftWeights::from_engine(&Loaded::Eagle(frspec::engine::cpu::draft::EagleDraft::load_eagle3(&fixture, &target).unwrap()), &llama)
         .unwrap()
         .instance(&llama);
     let ranking = Frequencies::from_counts(&(0..260u64).map(|i| (i * 53) % 97).collect::<Vec<_>>(), std::path::Path::new("synthetic"));
@@ -438,7 +438,7 @@ fn target_and_eagle_heads_match_the_torch_reference() {
         serde_json::from_str(&std::fs::read_to_string(fixtures.join("eagle_reference_logits.json")).unwrap()).unwrap();
     let tokens: Vec<u32> = serde_json::from_value(reference["tokens"].clone()).unwrap();
     let target = Model::load(&fixtures.join("tiny-llama")).unwrap();
-    let mut eagle3 = frspec::engine::cpu::draft::Eagle3Draft::load(&fixtures.join("eagle3-tiny"), &target).unwrap();
+    let mut eagle3 = frspec::engine::cpu::draft::EagleDraft::load_eagle3(&fixtures.join("eagle3-tiny"), &target).unwrap();
     let rows: Vec<usize> = (0..tokens.len()).collect();
     let fwd = target.forward(&tokens, &mut target.new_cache(), &rows, &eagle3.target_layers()).unwrap();
     let mut features = frspec::engine::cpu::CpuFeatures::new(64, &eagle3.target_layers());
@@ -501,7 +501,7 @@ fn bad_eagle3_checkpoints_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     synthetic::write_model(dir.path(), &Shape::tiny(), 1, candle_core::DType::F32).unwrap();
     let shallow = Model::load(dir.path()).unwrap();
-    let err = frspec::engine::cpu::draft::Eagle3Draft::load(&fixture, &shallow).err().unwrap().to_string();
+    let err = frspec::engine::cpu::draft::EagleDraft::load_eagle3(&fixture, &shallow).err().unwrap().to_string();
     assert!(err.contains("auxiliary layers") && err.contains("config.json"), "{err}");
     // A draft vocabulary that maps outside the target's.
     let small = tempfile::tempdir().unwrap();
@@ -514,7 +514,7 @@ fn bad_eagle3_checkpoints_are_refused() {
     let text = std::fs::read_to_string(&config).unwrap().replace("\"vocab_size\": 260", "\"vocab_size\": 200");
     std::fs::write(&config, text).unwrap();
     let target = Model::load(small.path()).unwrap();
-    let err = frspec::engine::cpu::draft::Eagle3Draft::load(head.path(), &target).err().unwrap().to_string();
+    let err = frspec::engine::cpu::draft::EagleDraft::load_eagle3(head.path(), &target).err().unwrap().to_string();
     assert!(err.contains("EAGLE-3 vocabulary 200 ≠ the target's 260"), "{err}");
 }
 
@@ -593,7 +593,6 @@ fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
     // at once stay the target's own output.
     use frspec::engine::candle::DeviceHead;
     use frspec::speculative::decode::{speculative_turns, TurnJob, Turns};
-    use frspec::speculative::{Context, Feed};
     struct Queue<'h> {
         jobs: std::collections::VecDeque<TurnJob<'h, DeviceHead>>,
         done: Vec<(usize, Vec<u32>)>,
@@ -610,46 +609,15 @@ fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
     let t = smollm2();
     let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
     let prompts = mt_bench_prompts(3);
-    let contexts: Vec<Vec<u32>> = prompts.iter().map(|p| [&p[..], &[42]].concat()).collect();
     let rows = |t: frspec::engine::candle::DeviceRow| t.tensor().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     for (kind, head) in [(DraftKind::Eagle, frspec::spec::SMOLLM2_HEAD), (DraftKind::Eagle3, frspec::spec::SMOLLM2_EAGLE3_HEAD)] {
         let weights = DraftWeights::from_engine(&frspec::engine::cpu::draft::load(&kind, Some(head), t, "smollm2").unwrap(), &llama).unwrap();
         let mut drafts: Vec<_> = prompts.iter().map(|_| weights.instance(&llama)).collect();
-        let layers = drafts[0].target_layers();
-        let features: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let mut f = llama.new_features(&layers);
-                TargetModel::forward(&llama, p, &mut llama.new_cache(), &[], Some(&mut f), &mut Vec::new()).unwrap();
-                f
-            })
-            .collect();
-        // Which drafts each position feeds: all three, then only the first and the last (their streams are then rows
-        // 0 and 2 of the previous position's outputs, gathered; consecutive ones are a view of them).
-        let everyone: [usize; 3] = [0, 1, 2];
-        let feeds: Vec<(&[usize], Vec<Feed<_>>)> = vec![
-            (&everyone, contexts.iter().zip(&features).map(|(c, f)| Feed::CatchUp(Context { tokens: c, features: f })).collect()),
-            (&everyone, vec![Feed::Extend(7); 3]),
-            (&everyone, vec![Feed::Extend(8); 3]),
-            (&[0, 2], vec![Feed::Extend(9); 2]),
-        ];
-        let alone: Vec<Vec<Option<Vec<f32>>>> = drafts
-            .iter_mut()
-            .enumerate()
-            .map(|(i, d)| feeds.iter().map(|(fed, step)| fed.iter().position(|&j| j == i).map(|at| rows(step[at].to(d.as_mut()).unwrap()))).collect())
-            .collect();
-        drafts.iter_mut().for_each(|d| d.reset());
+        fed_alone_and_together(&llama, &mut drafts, rows, |i, step, got, want| {
+            let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(got.len() == want.len() && diff < 1e-4, "{kind}: draft {i} at position {step} differs by {diff}");
+        });
         let mut slots: Vec<&mut dyn Draft<Llama>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
-        for (step, (fed, feeds)) in feeds.iter().enumerate() {
-            let mut together = Vec::new();
-            llama.feed_drafts(&mut slots, fed, feeds, &mut together).unwrap();
-            for (&i, row) in fed.iter().zip(together) {
-                let (got, want) = (rows(row), alone[i][step].as_ref().expect("fed alone too"));
-                let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-                assert!(got.len() == want.len() && diff < 1e-4, "{kind}: draft {i} at position {step} differs by {diff}");
-            }
-        }
-
         let head = DraftHead::new(slots[0].lm_head(), None, HeadMode::Slice).unwrap();
         let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 48 };
         let jobs = prompts.iter().enumerate().map(|(id, p)| TurnJob { id, prompt: p.clone(), head: &head, rng: Box::new(ChaCha20Rng::seed_from_u64(0)) }).collect();
@@ -659,6 +627,112 @@ fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
         for ((id, got), prompt) in queue.done.iter().zip(&prompts) {
             let want = generate(&t.model, &t.tokenizer.stop_ids, prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
             assert_eq!(got, &want, "{kind}: turn {id} of three side by side");
+        }
+    }
+}
+
+#[test]
+fn cpu_drafts_fed_together_give_each_what_it_gets_alone_bit_for_bit() {
+    // On the CPU engine the loop feeds every slot's EAGLE draft in one pass over the layer's weights, each at its own
+    // positions of its own cache: each draft's head input must be what it gets fed alone, bit for bit (EAGLE-1 and
+    // EAGLE-3, catching up on prompts of different lengths, two drafted tokens for all, a third for two of them).
+    let t = smollm2();
+    for (kind, head) in [(DraftKind::Eagle, frspec::spec::SMOLLM2_HEAD), (DraftKind::Eagle3, frspec::spec::SMOLLM2_EAGLE3_HEAD)] {
+        let loaded = frspec::engine::cpu::draft::load(&kind, Some(head), t, "smollm2").unwrap();
+        let mut drafts: Vec<_> = (0..3).map(|_| loaded.fresh().boxed()).collect();
+        fed_alone_and_together(&t.model, &mut drafts, |row| row, |i, step, got, want| {
+            assert!(got == want, "{kind}: draft {i} at position {step} differs from its row fed alone");
+        });
+    }
+}
+
+/// Feed the drafts (three) at four positions, each alone, then together through `feed_drafts`: catching up on
+/// prompts of different lengths, two drafted tokens for all, then a third for the first and the last only (on the
+/// candle engine their streams are then rows 0 and 2 of the previous position's outputs, gathered; consecutive ones
+/// are a view of them). `check(draft, position, row together, row alone)`, rows on the host (`rows`). The drafts are
+/// left reset and fed together.
+fn fed_alone_and_together<T: TargetModel>(target: &T, drafts: &mut [Box<dyn Draft<T> + '_>], rows: impl Fn(frspec::speculative::Row<T>) -> Vec<f32>, mut check: impl FnMut(usize, usize, Vec<f32>, &[f32])) {
+    use frspec::speculative::{Context, Feed};
+    let prompts = mt_bench_prompts(drafts.len());
+    let contexts: Vec<Vec<u32>> = prompts.iter().map(|p| [&p[..], &[42]].concat()).collect();
+    let layers = drafts[0].target_layers();
+    let features: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut f = target.new_features(&layers);
+            target.forward(p, &mut target.new_cache(), &[], Some(&mut f), &mut Vec::new()).unwrap();
+            f
+        })
+        .collect();
+    let everyone: [usize; 3] = [0, 1, 2];
+    let feeds: Vec<(&[usize], Vec<Feed<_>>)> = vec![
+        (&everyone, contexts.iter().zip(&features).map(|(c, f)| Feed::CatchUp(Context { tokens: c, features: f })).collect()),
+        (&everyone, vec![Feed::Extend(7); 3]),
+        (&everyone, vec![Feed::Extend(8); 3]),
+        (&[0, 2], vec![Feed::Extend(9); 2]),
+    ];
+    let alone: Vec<Vec<Option<Vec<f32>>>> = drafts
+        .iter_mut()
+        .enumerate()
+        .map(|(i, d)| feeds.iter().map(|(fed, step)| fed.iter().position(|&j| j == i).map(|at| rows(step[at].to(d.as_mut()).unwrap()))).collect())
+        .collect();
+    drafts.iter_mut().for_each(|d| d.reset());
+    let mut slots: Vec<&mut dyn Draft<T>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
+    for (step, (fed, feeds)) in feeds.iter().enumerate() {
+        let mut together = Vec::new();
+        target.feed_drafts(&mut slots, fed, feeds, &mut together).unwrap();
+        for (&i, row) in fed.iter().zip(together) {
+            check(i, step, rows(row), alone[i][step].as_ref().expect("fed alone too"));
+        }
+    }
+}
+
+#[test]
+fn heads_nested_in_one_another_are_served_by_one_product_of_the_largest() {
+    // Sequences drafting at ratios 0, 0.5 and 0.9 through the shipped EAGLE-1 head choose from one product of the
+    // full head: each must get the tokens and q it gets through its own sliced head alone, for argmax drafts and for
+    // draws at T = 1 (same stream). The positions of a head's rows within another are checked against the ids.
+    use frspec::speculative::draft::{choose_many, Choice};
+    use frspec::speculative::Chooser;
+    let t = smollm2();
+    let draft = build(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap();
+    let heads: Vec<DraftHead<_>> = [0.0, 0.5, 0.9].iter().map(|&r| DraftHead::new(draft.lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
+    for (small, large) in [(1, 0), (2, 0), (2, 1)] {
+        let within = heads[small].rows_within(&heads[large]).expect("nested keep sets");
+        assert_eq!(within.len(), heads[small].kept());
+        assert!(within.iter().enumerate().all(|(i, &j)| heads[small].id(i) == heads[large].id(j as usize)), "{small} within {large}");
+        assert!(heads[large].rows_within(&heads[small]).is_none(), "a larger head is not within a smaller one");
+    }
+    let masked = DraftHead::new(draft.lm_head(), keep(0.5), HeadMode::Mask).unwrap();
+    assert!(masked.rows_within(&heads[0]).is_none(), "a masked head is served by its own product");
+    let hidden: Vec<Vec<f32>> = (0..3).map(|i| (0..t.model.config.hidden).map(|j| ((i * 31 + j * 7) % 13) as f32 / 6.0 - 1.0).collect()).collect();
+    for (mode, sampling) in [(DraftMode::Argmax, Sampling::GREEDY), (DraftMode::Sample, Sampling { temperature: 1.0, ..Sampling::GREEDY })] {
+        let alone: Vec<frspec::speculative::Proposal> = (0..3)
+            .map(|i| {
+                let mut out = frspec::speculative::Proposal::default();
+                let mut chooser = Chooser::default();
+                let mut rng = ChaCha20Rng::seed_from_u64(i as u64);
+                let choice = Choice { chooser: &mut chooser, hidden: &hidden[i], rng: &mut rng, out: &mut out, head: &heads[i], within: None };
+                choose_many(&heads[i], &mut [choice], mode, sampling, &mut Default::default(), &mut Vec::new()).unwrap();
+                out
+            })
+            .collect();
+        let within: Vec<Option<Vec<u32>>> = (0..3).map(|i| (i > 0).then(|| heads[i].rows_within(&heads[0]).unwrap())).collect();
+        let mut outs: Vec<frspec::speculative::Proposal> = (0..3).map(|_| Default::default()).collect();
+        let mut choosers: Vec<Chooser<_>> = (0..3).map(|_| Chooser::default()).collect();
+        let mut rngs: Vec<ChaCha20Rng> = (0..3).map(|i| ChaCha20Rng::seed_from_u64(i as u64)).collect();
+        let mut choices: Vec<Choice<_>> = choosers
+            .iter_mut()
+            .zip(rngs.iter_mut())
+            .zip(outs.iter_mut())
+            .enumerate()
+            .map(|(i, ((chooser, rng), out))| Choice { chooser, hidden: &hidden[i], rng, out, head: &heads[i], within: within[i].as_deref() })
+            .collect();
+        choose_many(&heads[0], &mut choices, mode, sampling, &mut Default::default(), &mut Vec::new()).unwrap();
+        drop(choices);
+        for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
+            assert_eq!((&got.tokens, &got.q_token), (&want.tokens, &want.q_token), "{mode:?}: sequence {i}");
+            assert_eq!(got.q.first(), want.q.first(), "{mode:?}: sequence {i}'s q");
         }
     }
 }

@@ -2,7 +2,7 @@
 //! where an uninterrupted one is, and the exported head computes in the engine what it computed in training (the
 //! unrolled steps of the training-time test included).
 
-use frspec::engine::cpu::draft::{Eagle3Draft, EagleDraft};
+use frspec::engine::cpu::draft::EagleDraft;
 use frspec::engine::cpu::model::Model;
 use frspec::engine::cpu::CpuFeatures;
 use frspec::speculative::{Context, Draft};
@@ -203,7 +203,7 @@ fn an_eagle3_head_learns_and_runs_in_the_engine_as_it_trained() {
     train::export(&head, &state, &target.model, Some(&vocab)).unwrap();
     let exported = State::from_head(&head).unwrap();
     assert_eq!(exported.arch, Arch::Eagle3);
-    let mut draft = Eagle3Draft::load(&head, &target.model).unwrap();
+    let mut draft = EagleDraft::load_eagle3(&head, &target.model).unwrap();
     assert_eq!(draft.target_layers(), capture);
     assert_eq!(draft.lm_head().row_ids.as_deref(), Some(&vocab.ids), "d2t maps the draft rows to the draft vocabulary");
     let conv = &data[0];
@@ -223,7 +223,7 @@ fn an_eagle3_head_learns_and_runs_in_the_engine_as_it_trained() {
     frspec::loading::pack::pack(&head, &packed).unwrap();
     assert_eq!(std::fs::read(packed.join("model.gguf")).unwrap(), first, "the same head packs to the same bytes");
     assert!(!packed.join("model.safetensors").exists());
-    let mut quantized = Eagle3Draft::load(&packed, &target.model).unwrap();
+    let mut quantized = EagleDraft::load_eagle3(&packed, &target.model).unwrap();
     assert_eq!(quantized.target_layers(), capture);
     assert_eq!(quantized.lm_head().row_ids.as_deref(), Some(&vocab.ids));
     let (full, q8) = (draft.teacher_forced_logits(&ctx).unwrap(), quantized.teacher_forced_logits(&ctx).unwrap());

@@ -11,6 +11,7 @@ use crate::stats::{Counts, Metric};
 use anyhow::{bail, Result};
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
+use std::collections::HashMap;
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug)]
@@ -422,44 +423,122 @@ impl<T: TargetModel> Slot<'_, T> {
 
 /// A sequence drafting beside others (`SideBySide::draft`): the slot of its draft, what it drafts after, how many
 /// tokens, through which head, from which stream, and where its proposal and its drafting time go.
-struct Drafting<'a, T: TargetModel> {
+struct Drafting<'a, 'h, T: TargetModel> {
     slot: usize,
     ctx: Context<'a, T::Features>,
     k: usize,
-    head: &'a DraftHead<T::Head>,
+    head: &'h DraftHead<T::Head>,
     rng: &'a mut dyn rand::Rng,
     proposal: &'a mut Proposal,
     secs: &'a mut f64,
 }
 
 /// How sequences draft: position by position, side by side, so that drafts on the same weights are fed together
-/// (`TargetModel::feed_drafts`) and sequences drafting through one head choose their tokens from one product of it
-/// (the head is read once for all of them, not once a sequence: on a GPU at batch 64, the LM head of Llama-3 is 1 GB
-/// a read). The buffers live from step to step.
-struct SideBySide<T: TargetModel> {
+/// (`TargetModel::feed_drafts`) and sequences drafting through one head, or through heads nested in one another (the
+/// keep sets of several ratios), choose their tokens from one product (the head is read once for all of them, not once
+/// a sequence: on a GPU at batch 64, the LM head of Llama-3 is 1 GB a read). The buffers live from step to step.
+struct SideBySide<'h, T: TargetModel> {
     /// The drafts fed at this position, and which sequences they draft for.
     fed: Vec<usize>,
     which: Vec<usize>,
     hidden: Vec<Option<Row<T>>>,
-    grouped: Vec<bool>,
+    /// Per sequence, the head of the product it chooses from this position, and where its rows are among that
+    /// head's (None: its own head).
+    covered_by: Vec<Option<(&'h DraftHead<T::Head>, Option<std::sync::Arc<[u32]>>)>>,
+    /// `DraftHead::rows_within` of a (head, cover) pair, found once.
+    within: HashMap<(*const DraftHead<T::Head>, *const DraftHead<T::Head>), Option<std::sync::Arc<[u32]>>>,
+    /// `plan`'s buffers: each sequence's head when it has a row, the distinct heads with their sequence counts, and
+    /// the best cost of serving the heads from each on.
+    heads: Vec<Option<&'h DraftHead<T::Head>>>,
+    distinct: Vec<(&'h DraftHead<T::Head>, usize)>,
+    best: Vec<(f64, usize)>,
     scratch: <T::Head as HeadRows>::Scratch,
     indices: Vec<usize>,
 }
 
-impl<T: TargetModel> SideBySide<T> {
+/// What a head's product costs, in units of reading one of its rows: the read, plus each hidden row's arithmetic at
+/// about a sixth of it (`bench head` on the CPU engine: 8 rows of a 49,152-row head 1.3 ms, one row 0.66 ms).
+fn product_cost(rows: usize, members: usize) -> f64 {
+    rows as f64 * (1.0 + members as f64 / 6.0)
+}
+
+impl<'h, T: TargetModel> SideBySide<'h, T> {
     fn new() -> Self {
-        SideBySide { fed: Vec::new(), which: Vec::new(), hidden: Vec::new(), grouped: Vec::new(), scratch: Default::default(), indices: Vec::new() }
+        SideBySide {
+            fed: Vec::new(),
+            which: Vec::new(),
+            hidden: Vec::new(),
+            covered_by: Vec::new(),
+            within: HashMap::new(),
+            heads: Vec::new(),
+            distinct: Vec::new(),
+            best: Vec::new(),
+            scratch: Default::default(),
+            indices: Vec::new(),
+        }
+    }
+
+    /// `head.rows_within(cover)`, remembered.
+    fn within(&mut self, head: &'h DraftHead<T::Head>, cover: &'h DraftHead<T::Head>) -> Option<std::sync::Arc<[u32]>> {
+        self.within.entry((head, cover)).or_insert_with(|| head.rows_within(cover).map(Into::into)).clone()
+    }
+
+    /// Which product each sequence with a hidden row (its head in `self.heads`) chooses from (`covered_by`): the
+    /// distinct heads, largest first, split into runs each served by its first head's product (every other head of
+    /// the run within it) at the least total `product_cost`. A run may only be as long as its heads are nested.
+    fn plan(&mut self) {
+        let mut distinct = std::mem::take(&mut self.distinct);
+        distinct.clear();
+        for head in self.heads.iter().flatten() {
+            match distinct.iter_mut().find(|(h, _)| std::ptr::eq(*h, *head)) {
+                Some((_, members)) => *members += 1,
+                None => distinct.push((head, 1)),
+            }
+        }
+        distinct.sort_by_key(|(h, _)| std::cmp::Reverse(h.kept()));
+        // best[i]: the least cost of serving distinct[i..], and where the run starting at i ends.
+        let n = distinct.len();
+        let mut best = std::mem::take(&mut self.best);
+        best.clear();
+        best.resize(n + 1, (0.0, n));
+        for i in (0..n).rev() {
+            best[i] = (f64::INFINITY, i + 1);
+            let mut members = 0;
+            for j in i..n {
+                if j > i && self.within(distinct[j].0, distinct[i].0).is_none() {
+                    break;
+                }
+                members += distinct[j].1;
+                let cost = product_cost(distinct[i].0.kept(), members) + best[j + 1].0;
+                if cost < best[i].0 {
+                    best[i] = (cost, j + 1);
+                }
+            }
+        }
+        self.covered_by.clear();
+        self.covered_by.resize(self.heads.len(), None);
+        let mut i = 0;
+        while i < n {
+            let (cover, end) = (distinct[i].0, best[i].1);
+            for k in 0..self.heads.len() {
+                if let Some(head) = self.heads[k].filter(|h| distinct[i..end].iter().any(|(d, _)| std::ptr::eq(*d, *h))) {
+                    let within = if std::ptr::eq(head, cover) { None } else { self.within(head, cover) };
+                    self.covered_by[k] = Some((cover, within));
+                }
+            }
+            i = end;
+        }
+        (self.distinct, self.best) = (distinct, best);
     }
 
     /// Every sequence of `seqs` (in ascending slot order) proposes its `k` tokens. At each position the drafts of the
     /// sequences still drafting catch up (first position) or extend by their last token, fed together; then the
-    /// sequences sharing a head choose together (`choose_many`), groups in order. A sequence's draws come from its own
-    /// stream in the order it makes them alone, so its proposal does not depend on its neighbours where the engine's
-    /// forwards and products do not. Time shared by several sequences (a feed, a head's product) is split equally.
-    fn draft(&mut self, target: &T, seqs: &mut [Drafting<'_, T>], drafts: &mut [&mut dyn Draft<T>], mode: DraftMode, sampling: Sampling) -> Result<()> {
+    /// sequences choose from the products `plan` sets (`choose_many`), products in order. A sequence's draws come from
+    /// its own stream in the order it makes them alone, so its proposal does not depend on its neighbours where the
+    /// engine's forwards and products do not. Time shared by several sequences (a feed, a product) is split equally.
+    fn draft(&mut self, target: &T, seqs: &mut [Drafting<'_, 'h, T>], drafts: &mut [&mut dyn Draft<T>], mode: DraftMode, sampling: Sampling) -> Result<()> {
         self.hidden.clear();
         self.hidden.resize_with(seqs.len(), || None);
-        self.grouped.resize(seqs.len(), false);
         seqs.iter_mut().for_each(|s| s.proposal.clear());
         let positions = seqs.iter().map(|s| s.k).max().unwrap_or(0);
         for step in 0..positions {
@@ -483,32 +562,35 @@ impl<T: TargetModel> SideBySide<T> {
                 *seqs[j].secs += share;
                 self.hidden[j] = Some(row);
             }
+            self.heads.clear();
+            self.heads.extend(seqs.iter().zip(&self.hidden).map(|(s, h)| h.as_ref().map(|_| s.head)));
+            self.plan();
             for first in 0..seqs.len() {
-                // A sequence's row is taken once its group has chosen.
-                if self.hidden[first].is_none() {
-                    continue;
-                }
-                let head = seqs[first].head;
-                for j in first..seqs.len() {
-                    self.grouped[j] = self.hidden[j].is_some() && std::ptr::eq(seqs[j].head, head);
-                }
+                // A sequence's row is taken once its product has been chosen from.
+                let Some((cover, _)) = self.covered_by[first].clone() else { continue };
                 let t = Instant::now();
-                let mut members = seqs.iter_mut().zip(&self.hidden).zip(&self.grouped).filter(|(_, &grouped)| grouped).map(|(member, _)| member).peekable();
                 let mut choices: Vec<Choice<T::Head>> = Vec::new();
+                let mut members = seqs.iter_mut().zip(&self.hidden).zip(&self.covered_by).filter_map(|((s, hidden), by)| match by {
+                    Some((c, within)) if std::ptr::eq(*c, cover) => Some((s, hidden, within)),
+                    _ => None,
+                });
+                let mut next = members.next();
                 for (i, draft) in drafts.iter_mut().enumerate() {
-                    if let Some((s, hidden)) = members.next_if(|(s, _)| s.slot == i) {
-                        choices.push(Choice { chooser: draft.chooser(), hidden: hidden.as_ref().expect("grouped"), rng: &mut *s.rng, out: &mut *s.proposal });
+                    if let Some((s, hidden, within)) = next.take_if(|(s, _, _)| s.slot == i) {
+                        let head = s.head;
+                        choices.push(Choice { chooser: draft.chooser(), hidden: hidden.as_ref().expect("planned"), rng: &mut *s.rng, out: &mut *s.proposal, head, within: within.as_deref() });
+                        next = members.next();
                     }
                 }
                 let count = choices.len();
-                choose_many(head, &mut choices, mode, sampling, &mut self.scratch, &mut self.indices)?;
+                choose_many(cover, &mut choices, mode, sampling, &mut self.scratch, &mut self.indices)?;
                 drop(choices);
                 let share = t.elapsed().as_secs_f64() / count as f64;
                 for (j, s) in seqs.iter_mut().enumerate() {
-                    if self.grouped[j] {
+                    if self.covered_by[j].as_ref().is_some_and(|(c, _)| std::ptr::eq(*c, cover)) {
                         *s.secs += share;
                         self.hidden[j] = None;
-                        self.grouped[j] = false;
+                        self.covered_by[j] = None;
                     }
                 }
             }

@@ -43,8 +43,8 @@ impl<M: HeadRows> LmHead<M> {
 /// The LM head a draft proposes through: the full head, or pruned to a keep set.
 pub struct DraftHead<M> {
     lm: LmHead<M>,
-    /// Slice mode: the kept rows gathered into one matrix, and their target ids.
-    sliced: Option<(M, Vec<u32>)>,
+    /// Slice mode: the kept rows gathered into one matrix, their target ids and their rows in the LM head.
+    sliced: Option<(M, Vec<u32>, Vec<u32>)>,
     /// Mask mode: which rows are kept.
     mask: Option<Vec<bool>>,
     kept: usize,
@@ -69,7 +69,7 @@ impl<M: HeadRows> DraftHead<M> {
             HeadMode::Slice => {
                 let picked: Vec<u32> = (0..rows as u32).filter(|&r| kept_rows[r as usize]).collect();
                 let ids = picked.iter().map(|&r| lm.row_id(r as usize)).collect();
-                let sliced = Some((lm.matrix.select_rows(&picked)?, ids));
+                let sliced = Some((lm.matrix.select_rows(&picked)?, ids, picked));
                 DraftHead { lm, sliced, mask: None, kept }
             }
             HeadMode::Mask => DraftHead { lm, sliced: None, mask: Some(kept_rows), kept },
@@ -129,7 +129,29 @@ impl<M: HeadRows> DraftHead<M> {
 
     /// The rows the head computes: the kept ones gathered (slice), or all of them.
     fn matrix(&self) -> &M {
-        self.sliced.as_ref().map_or(&self.lm.matrix, |(m, _)| m)
+        self.sliced.as_ref().map_or(&self.lm.matrix, |(m, _, _)| m)
+    }
+
+    /// Where this head's rows are among `cover`'s, when a product of `cover` gives this head's logits: both slice
+    /// the same LM head (`HeadRows::shares_rows_with`), neither masks, and every row kept here is kept there. Kept
+    /// rows are in LM-head order in both, so the positions increase and a sequence's logits gathered from them come
+    /// in the order of its own head's.
+    pub fn rows_within(&self, cover: &DraftHead<M>) -> Option<Vec<u32>> {
+        if self.mask.is_some() || cover.mask.is_some() || !self.lm.matrix.shares_rows_with(&cover.lm.matrix) {
+            return None;
+        }
+        let all = |n: usize| (0..n as u32).collect::<Vec<u32>>();
+        let mine = self.sliced.as_ref().map_or_else(|| all(self.lm.matrix.rows()), |(_, _, rows)| rows.clone());
+        let Some((_, _, theirs)) = &cover.sliced else {
+            return Some(mine);
+        };
+        let mut at = 0;
+        mine.iter()
+            .map(|row| {
+                at += theirs[at..].iter().position(|r| r == row)?;
+                Some(at as u32)
+            })
+            .collect()
     }
 
     /// A hidden row of the head's width, for timing it.
@@ -140,7 +162,7 @@ impl<M: HeadRows> DraftHead<M> {
     /// Token id of a head-space index.
     pub fn id(&self, index: usize) -> u32 {
         match &self.sliced {
-            Some((_, ids)) => ids[index],
+            Some((_, ids, _)) => ids[index],
             None => self.lm.row_id(index),
         }
     }
@@ -182,13 +204,15 @@ impl Proposal {
 /// Reusable buffers for choosing a draft token through heads of type `M`.
 pub struct Chooser<M: HeadRows> {
     logits: Vec<f32>,
+    /// Logits over a covering head's rows (`choose_many`), before this draft's are gathered from them.
+    covering: Vec<f32>,
     order: Vec<u32>,
     pub scratch: M::Scratch,
 }
 
 impl<M: HeadRows> Default for Chooser<M> {
     fn default() -> Self {
-        Chooser { logits: Vec::new(), order: Vec::new(), scratch: M::Scratch::default() }
+        Chooser { logits: Vec::new(), covering: Vec::new(), order: Vec::new(), scratch: M::Scratch::default() }
     }
 }
 
@@ -233,19 +257,23 @@ fn push_argmax<M: HeadRows>(head: &DraftHead<M>, index: usize, out: &mut Proposa
     }
 }
 
-/// One sequence's part in `choose_many`: its draft's chooser, its hidden row, its stream and its proposal.
+/// One sequence's part in `choose_many`: its draft's chooser, its hidden row, its stream, its proposal, its head and,
+/// when that is not the head of the product, where its rows are among the product's (`DraftHead::rows_within`).
 pub struct Choice<'a, M: HeadRows> {
     pub chooser: &'a mut Chooser<M>,
     pub hidden: &'a M::Row,
     pub rng: &'a mut dyn rand::Rng,
     pub out: &'a mut Proposal,
+    pub head: &'a DraftHead<M>,
+    pub within: Option<&'a [u32]>,
 }
 
-/// The next draft token of several sequences that draft through `head`: one product of the head for all of their
-/// hidden rows, then each sequence's choice from its own logits with its own stream, as `Chooser::choose` makes it
-/// alone (on an engine whose products do not depend on their neighbours, the same tokens and q).
+/// The next draft token of several sequences that draft through `cover` or through heads within it: one product of
+/// `cover` for all of their hidden rows, then each sequence's choice from its own logits (gathered from the
+/// product's when its head is another) with its own stream, as `Chooser::choose` makes it alone (on an engine whose
+/// products do not depend on their neighbours, the same tokens and q).
 pub fn choose_many<M: HeadRows>(
-    head: &DraftHead<M>,
+    cover: &DraftHead<M>,
     choices: &mut [Choice<'_, M>],
     mode: DraftMode,
     sampling: Sampling,
@@ -253,19 +281,38 @@ pub fn choose_many<M: HeadRows>(
     indices: &mut Vec<usize>,
 ) -> Result<()> {
     if let [one] = choices {
-        return one.chooser.choose(head, one.hidden, mode, sampling, one.rng, one.out);
+        if one.within.is_none() {
+            return one.chooser.choose(cover, one.hidden, mode, sampling, one.rng, one.out);
+        }
     }
     let hidden: Vec<&M::Row> = choices.iter().map(|c| c.hidden).collect();
-    let mut logits: Vec<&mut Vec<f32>> = choices.iter_mut().map(|c| &mut c.chooser.logits).collect();
-    if takes_argmax(mode, sampling) {
-        head.argmax_many(&hidden, &mut logits, scratch, indices)?;
-        for (c, &index) in choices.iter_mut().zip(indices.iter()) {
-            push_argmax(head, index, c.out);
+    let argmax_only = takes_argmax(mode, sampling);
+    if choices.iter().all(|c| c.within.is_none()) {
+        let mut logits: Vec<&mut Vec<f32>> = choices.iter_mut().map(|c| &mut c.chooser.logits).collect();
+        if argmax_only {
+            cover.argmax_many(&hidden, &mut logits, scratch, indices)?;
+            for (c, &index) in choices.iter_mut().zip(indices.iter()) {
+                push_argmax(cover, index, c.out);
+            }
+            return Ok(());
         }
+        cover.logits_many(&hidden, &mut logits, scratch)?;
     } else {
-        head.logits_many(&hidden, &mut logits, scratch)?;
+        let mut logits: Vec<&mut Vec<f32>> = choices.iter_mut().map(|c| if c.within.is_some() { &mut c.chooser.covering } else { &mut c.chooser.logits }).collect();
+        cover.logits_many(&hidden, &mut logits, scratch)?;
         for c in choices.iter_mut() {
-            c.chooser.push_draw(head, sampling, c.rng, c.out);
+            if let Some(within) = c.within {
+                let chooser = &mut *c.chooser;
+                chooser.logits.clear();
+                chooser.logits.extend(within.iter().map(|&i| chooser.covering[i as usize]));
+            }
+        }
+    }
+    for c in choices.iter_mut() {
+        if argmax_only {
+            push_argmax(c.head, argmax(&c.chooser.logits) as usize, c.out);
+        } else {
+            c.chooser.push_draw(c.head, sampling, c.rng, c.out);
         }
     }
     Ok(())
@@ -310,6 +357,12 @@ impl<F> Feed<'_, F> {
             Feed::Extend(token) => draft.extend(*token),
         }
     }
+}
+
+/// A draft's own state as `TargetModel::feed_together` takes it: drafts whose weights are the same run together.
+pub trait SharedWeights {
+    /// What identifies the weights.
+    fn weights(&self) -> *const ();
 }
 
 /// A draft for targets of type `T`: it keeps its own cache, follows the sequence and proposes tokens.

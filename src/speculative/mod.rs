@@ -13,7 +13,7 @@ pub mod generate;
 pub mod logits;
 
 pub use decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
-pub use draft::{Chooser, Context, Draft, DraftHead, DraftKind, DraftMode, Feed, HeadMode, LmHead, Proposal};
+pub use draft::{Chooser, Context, Draft, DraftHead, DraftKind, DraftMode, Feed, HeadMode, LmHead, Proposal, SharedWeights};
 pub use generate::{generate, Generation, StopReason};
 pub use logits::{DrawRequest, HostLogits, LogitRows, TokenIds, Without};
 
@@ -39,7 +39,7 @@ pub trait TargetModel {
     /// An LM head's rows on this engine.
     type Head: HeadRows;
     /// What a draft on this engine lets `feed_drafts` run beside its siblings (`Draft::state`).
-    type DraftState;
+    type DraftState: SharedWeights;
     /// The logit rows of `forward_blocks`, where this engine keeps them.
     type Logits: LogitRows + Default;
 
@@ -57,17 +57,43 @@ pub trait TargetModel {
     /// where the engine's numerics allow (the CPU engine: bit for bit).
     fn forward_blocks(&self, blocks: &mut [Block<'_, Self>], logits: &mut Self::Logits) -> Result<()>;
 
+    /// Feed drafts on the same weights (`SharedWeights::weights`) in one forward of their layer, each at its own
+    /// positions of its own cache with its own feed; their head inputs, in order. A draft's row must not depend on
+    /// the drafts beside it where the engine's numerics allow (the CPU engine: bit for bit).
+    fn feed_together(&self, states: &mut [&mut Self::DraftState], feeds: &[Feed<'_, Self::Features>]) -> Result<Vec<Row<Self>>>;
+
     /// Feed the drafts `slots` (ascending indices into `drafts`) at one drafting position, each its own feed, and push
-    /// their head inputs to `rows` in the same order. By default one draft at a time; an engine may run drafts on the
-    /// same weights in one forward (on a GPU at batch 64, one launch group a position instead of one a slot). A
-    /// draft's row must not depend on the drafts beside it where the engine's numerics allow.
+    /// their head inputs to `rows` in the same order: the drafts on the same weights as the first one with a state
+    /// (`Draft::state`) together (`feed_together`: on a GPU at batch 64 one launch group a position instead of one
+    /// a slot, on the CPU one pass over the weights), any other draft alone.
     fn feed_drafts(&self, drafts: &mut [&mut dyn Draft<Self>], slots: &[usize], feeds: &[Feed<'_, Self::Features>], rows: &mut Vec<Row<Self>>) -> Result<()>
     where
         Self: Sized,
     {
-        for (&slot, feed) in slots.iter().zip(feeds) {
-            rows.push(feed.to(&mut *drafts[slot])?);
+        let weights: Vec<Option<*const ()>> = slots.iter().map(|&i| drafts[i].state().map(|s| s.weights())).collect();
+        let shared = weights.iter().flatten().next().copied();
+        let mut fed: Vec<Option<Row<Self>>> = (0..slots.len()).map(|_| None).collect();
+        let (mut states, mut which, mut together) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, draft) in drafts.iter_mut().enumerate() {
+            if let Ok(j) = slots.binary_search(&i) {
+                if weights[j].is_some() && weights[j] == shared {
+                    states.push(draft.state().expect("has a state"));
+                    which.push(j);
+                    together.push(feeds[j]);
+                }
+            }
         }
+        if !states.is_empty() {
+            for (j, row) in which.into_iter().zip(self.feed_together(&mut states, &together)?) {
+                fed[j] = Some(row);
+            }
+        }
+        for (j, &i) in slots.iter().enumerate() {
+            if fed[j].is_none() {
+                fed[j] = Some(feeds[j].to(&mut *drafts[i])?);
+            }
+        }
+        rows.extend(fed.into_iter().map(|row| row.expect("every slot fed")));
         Ok(())
     }
 }
@@ -158,6 +184,11 @@ pub trait HeadRows: Sized {
     }
     /// A hidden row of the head's own width, for timing it (the values do not change the time).
     fn probe(&self) -> Result<Self::Row>;
+    /// Whether `other` holds the same rows, so that heads sliced from the two can be served by one product (the
+    /// CPU engine). No by default: an engine whose logits stay on its device would gather them there instead.
+    fn shares_rows_with(&self, _other: &Self) -> bool {
+        false
+    }
 }
 
 /// The hidden row type of a target's heads.

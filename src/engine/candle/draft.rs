@@ -5,9 +5,9 @@
 
 use super::llama::{norm_weights, rms_norm, Cache, KvPool, Layer, Llama, Proj, Random, Rope};
 use super::{stack, DeviceFeatures, DeviceHead, DeviceRow};
-use crate::engine::cpu::draft::Loaded;
+use crate::engine::cpu::draft::{self as cpu_draft, Loaded};
 use crate::engine::cpu::model::Geometry;
-use crate::speculative::{Chooser, Context, Draft, Feed, LmHead, Positions};
+use crate::speculative::{Chooser, Context, Draft, Feed, LmHead, Positions, SharedWeights};
 use anyhow::{bail, Context as _, Result};
 use candle_core::Tensor;
 use std::sync::Arc;
@@ -26,31 +26,33 @@ impl DraftWeights {
         let vector = |v: &[f32]| norm_weights(v, device, dtype);
         Ok(match loaded {
             Loaded::Model(d) => DraftWeights::Model { model: Arc::new(Llama::from_engine(&d.model, device, dtype)?), label: d.label.clone() },
-            Loaded::Eagle(d) => DraftWeights::Eagle(Arc::new(EagleWeights {
-                fc: Proj::from_engine(&d.fc, device, dtype)?,
-                layer: Layer::from_engine(&d.layer, device, dtype)?,
-                pool: layer_pool(&d.geometry, target),
-                rope: Rope::of(&d.geometry),
-                geometry: d.geometry.clone(),
-                source: d.source.display().to_string(),
-            })),
-            Loaded::Eagle3(d) => DraftWeights::Eagle3(Arc::new(Eagle3Weights {
-                fc: Proj::from_engine(&d.fc, device, dtype)?,
-                layer: Layer::from_engine(&d.layer, device, dtype)?,
-                input_norm: vector(&d.input_norm)?,
-                hidden_norm: vector(&d.hidden_norm)?,
-                norm: vector(&d.norm)?,
-                lm_head: LmHead {
-                    matrix: DeviceHead::new(super::llama::dense(&d.lm_head.matrix, device, dtype)?),
-                    row_ids: d.lm_head.row_ids.clone(),
-                    vocab: d.lm_head.vocab,
-                },
-                aux_layers: d.aux_layers.clone(),
-                pool: layer_pool(&d.geometry, target),
-                rope: Rope::of(&d.geometry),
-                geometry: d.geometry.clone(),
-                source: d.source.display().to_string(),
-            })),
+            Loaded::Eagle(d) => match d.head() {
+                cpu_draft::Head::Eagle(d) => DraftWeights::Eagle(Arc::new(EagleWeights {
+                    fc: Proj::from_engine(&d.fc, device, dtype)?,
+                    layer: Layer::from_engine(&d.layer, device, dtype)?,
+                    pool: layer_pool(&d.geometry, target),
+                    rope: Rope::of(&d.geometry),
+                    geometry: d.geometry.clone(),
+                    source: d.source.display().to_string(),
+                })),
+                cpu_draft::Head::Eagle3(d) => DraftWeights::Eagle3(Arc::new(Eagle3Weights {
+                    fc: Proj::from_engine(&d.fc, device, dtype)?,
+                    layer: Layer::from_engine(&d.layer, device, dtype)?,
+                    input_norm: vector(&d.input_norm)?,
+                    hidden_norm: vector(&d.hidden_norm)?,
+                    norm: vector(&d.norm)?,
+                    lm_head: LmHead {
+                        matrix: DeviceHead::new(super::llama::dense(&d.lm_head.matrix, device, dtype)?),
+                        row_ids: d.lm_head.row_ids.clone(),
+                        vocab: d.lm_head.vocab,
+                    },
+                    aux_layers: d.aux_layers.clone(),
+                    pool: layer_pool(&d.geometry, target),
+                    rope: Rope::of(&d.geometry),
+                    geometry: d.geometry.clone(),
+                    source: d.source.display().to_string(),
+                })),
+            },
         })
     }
 
@@ -138,7 +140,7 @@ pub struct EagleWeights {
     source: String,
 }
 
-/// EAGLE-3 (as `engine::cpu::draft::Eagle3Draft`): g = fc(the target's streams entering three layers); one midlayer
+/// EAGLE-3 (as `engine::cpu::draft::EagleDraft`): g = fc(the target's streams entering three layers); one midlayer
 /// attending over cat(input_layernorm(embed(t)), hidden_norm(g)) with g as the residual; its own final norm and LM
 /// head over a draft vocabulary.
 pub struct Eagle3Weights {
@@ -218,9 +220,8 @@ pub struct DraftState {
     last: Option<DeviceRow>,
 }
 
-impl DraftState {
-    /// What identifies the draft's weights.
-    pub fn weights(&self) -> *const () {
+impl SharedWeights for DraftState {
+    fn weights(&self) -> *const () {
         self.head.weights()
     }
 }

@@ -8,7 +8,7 @@ pub mod kernels;
 pub mod llama;
 
 use crate::sampling::Sampling;
-use crate::speculative::{Batch, Block, Draft, DrawRequest, Feed, HeadRows, HostLogits, LogitRows, Positions, TargetModel, Without};
+use crate::speculative::{Batch, Block, DrawRequest, Feed, HeadRows, HostLogits, LogitRows, Positions, TargetModel, Without};
 use anyhow::{bail, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use llama::{Cache, Llama, Rows};
@@ -289,34 +289,8 @@ impl TargetModel for Llama {
         Ok(())
     }
 
-    /// The EAGLE drafts on the same weights as the first one fed go through their layer in one forward
-    /// (`draft::feed_together`); any other draft is fed alone.
-    fn feed_drafts(&self, drafts: &mut [&mut dyn Draft<Self>], slots: &[usize], feeds: &[Feed<'_, DeviceFeatures>], rows: &mut Vec<DeviceRow>) -> Result<()> {
-        let weights: Vec<Option<*const ()>> = slots.iter().map(|&i| drafts[i].state().map(|s| s.weights())).collect();
-        let shared = weights.iter().flatten().next().copied();
-        let mut fed: Vec<Option<DeviceRow>> = vec![None; slots.len()];
-        let (mut states, mut which, mut together) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, draft) in drafts.iter_mut().enumerate() {
-            if let Ok(j) = slots.binary_search(&i) {
-                if weights[j].is_some() && weights[j] == shared {
-                    states.push(draft.state().expect("has a state"));
-                    which.push(j);
-                    together.push(feeds[j]);
-                }
-            }
-        }
-        if !states.is_empty() {
-            for (j, row) in which.into_iter().zip(draft::feed_together(self, &mut states, &together)?) {
-                fed[j] = Some(row);
-            }
-        }
-        for (j, &i) in slots.iter().enumerate() {
-            if fed[j].is_none() {
-                fed[j] = Some(feeds[j].to(&mut *drafts[i])?);
-            }
-        }
-        rows.extend(fed.into_iter().map(|row| row.expect("every slot fed")));
-        Ok(())
+    fn feed_together(&self, states: &mut [&mut draft::DraftState], feeds: &[Feed<'_, DeviceFeatures>]) -> Result<Vec<DeviceRow>> {
+        draft::feed_together(self, states, feeds)
     }
 
     /// Every block in one pass (`Llama::forward_sequences`), every block's logit rows through the LM head in one

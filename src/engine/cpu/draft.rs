@@ -2,9 +2,9 @@
 //! proposing through a `DraftHead` that FR-Spec may prune to a keep set.
 
 use super::model::{load_layer, load_linear, Cache, Geometry, Layer, Linear, Model};
-use super::tensor::Matrix;
+use super::tensor::{MatmulScratch, Matrix};
 use super::CpuFeatures;
-use crate::speculative::{Chooser, Context, Draft, DraftKind, LmHead};
+use crate::speculative::{Chooser, Context, Draft, DraftKind, Feed, LmHead, SharedWeights};
 use crate::loading::weights::WeightSource;
 use anyhow::{anyhow, bail, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
@@ -64,22 +64,6 @@ impl Draft<Model> for ModelDraft {
         self.cache.truncate(self.cache.len().min(before + accepted));
         Ok(())
     }
-}
-
-/// EAGLE-1 (SafeAILab `cnets1.py`): h = fc(cat(embed(t_{i+1}), f_i)), one decoder layer without input norm,
-/// no final norm, logits through the target's LM head. Reuses the target's embedding.
-pub struct EagleDraft<'a> {
-    target: &'a Model,
-    pub(crate) fc: Arc<Linear>,
-    pub(crate) layer: Arc<Layer>,
-    pub(crate) geometry: Geometry,
-    cache: Cache,
-    chooser: Chooser<Arc<Matrix>>,
-    input: Vec<f32>,
-    pair: Vec<f32>,
-    /// The layer's output at the last drafted position: the stand-in feature for the next one.
-    last: Vec<f32>,
-    pub(crate) source: PathBuf,
 }
 
 /// Named tensors of a checkpoint (safetensors, PyTorch pickle, or the GGUF of `loading::pack`), answering to
@@ -191,115 +175,359 @@ impl WeightSource for TensorFile {
     }
 }
 
-impl<'a> EagleDraft<'a> {
-    /// `dir` holds config.json and model.safetensors or pytorch_model.bin, with yuhuili's key names.
-    pub fn load(dir: &Path, target: &'a Model) -> Result<EagleDraft<'a>> {
-        let config_path = dir.join("config.json");
-        let mut config = super::model::hf_config(&config_path)?;
-        let t = &target.config;
-        if config.hidden != t.hidden {
-            bail!("{}: EAGLE hidden size {} ≠ the target's {}", config_path.display(), config.hidden, t.hidden);
+/// EAGLE-1 (SafeAILab `cnets1.py`): h = fc(cat(embed(t_{i+1}), f_i)), one decoder layer without input norm,
+/// no final norm, logits through the target's LM head. Reuses the target's embedding.
+pub struct EagleWeights {
+    pub(crate) fc: Linear,
+    pub(crate) layer: Layer,
+    pub(crate) geometry: Geometry,
+    pub(crate) source: PathBuf,
+}
+
+/// EAGLE-3 (SafeAILab `cnets.py`, vLLM `llama_eagle3.py`): g = fc(cat of the target's residual streams entering
+/// three layers); one `midlayer` attending over cat(input_layernorm(embed(t)), hidden_norm(g)) with g as the
+/// residual; its own final `norm` and `lm_head` over a draft vocabulary whose row d is target id d + d2t[d].
+/// Later drafting steps feed the layer's own pre-norm output in place of g.
+pub struct Eagle3Weights {
+    pub(crate) fc: Linear,
+    pub(crate) layer: Layer,
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) hidden_norm: Vec<f32>,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) lm_head: LmHead<Arc<Matrix>>,
+    pub(crate) aux_layers: Vec<usize>,
+    pub(crate) geometry: Geometry,
+    pub(crate) source: PathBuf,
+}
+
+/// The head an EAGLE draft runs; its weights are shared by every draft made from it.
+#[derive(Clone)]
+pub enum Head {
+    Eagle(Arc<EagleWeights>),
+    Eagle3(Arc<Eagle3Weights>),
+}
+
+impl Head {
+    /// The one layer and its geometry.
+    fn layer(&self) -> (&Layer, &Geometry) {
+        match self {
+            Head::Eagle(w) => (&w.layer, &w.geometry),
+            Head::Eagle3(w) => (&w.layer, &w.geometry),
         }
-        if config.vocab != t.vocab {
-            bail!("{}: EAGLE vocabulary {} ≠ the target's {}", config_path.display(), config.vocab, t.vocab);
-        }
-        config.layers = 1;
-        let src = TensorFile::open(&checkpoint(dir)?).with_context(|| format!("loading EAGLE head {}", dir.display()))?;
-        let fc = load_linear(&src, "fc", config.hidden, 2 * config.hidden)?;
-        let layer = load_layer(&src, &config, "blk.0", false)?;
-        let geometry = Geometry::new(&config, None);
-        let cache = Cache::new(1, &geometry);
-        Ok(EagleDraft {
-            target,
-            fc: Arc::new(fc),
-            layer: Arc::new(layer),
-            geometry,
-            cache,
-            chooser: Chooser::default(),
-            input: Vec::new(),
-            pair: Vec::new(),
-            last: Vec::new(),
-            source: dir.to_path_buf(),
-        })
     }
 
-    /// The layer outputs of every draft position the cache has not seen. Draft position j pairs (f_j, t_{j+1});
-    /// every j < n − 1 has a true target feature.
-    fn unseen_positions(&mut self, ctx: &Context<CpuFeatures>) -> Result<Vec<f32>> {
-        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
-        self.step(&ctx.features.hidden[seen * h..(n - 1) * h], &ctx.tokens[seen + 1..n])
-    }
-
-    /// Run pairs (feature row, next token) through fc and the layer; returns the layer outputs `[n, hidden]`.
-    fn step(&mut self, features: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
-        let h = self.geometry.hidden;
-        self.target.embed_into(tokens, &mut self.input)?;
-        self.pair.clear();
-        for (e, f) in self.input.chunks_exact(h).zip(features.chunks_exact(h)) {
-            self.pair.extend_from_slice(e);
-            self.pair.extend_from_slice(f);
+    /// What identifies the weights: drafts on the same ones run together.
+    fn weights(&self) -> *const () {
+        match self {
+            Head::Eagle(w) => Arc::as_ptr(w).cast(),
+            Head::Eagle3(w) => Arc::as_ptr(w).cast(),
         }
-        let mut x = vec![0.0; tokens.len() * h];
-        self.fc.forward(&self.pair, &mut x, self.cache.matmul_scratch());
-        self.cache.advance(&self.geometry, std::slice::from_ref(&*self.layer), &mut x, None, |_, _| {});
-        Ok(x)
     }
 
-    /// Another draft on the same weights with an empty cache (a slot of a batch).
-    fn fresh(&self) -> EagleDraft<'a> {
-        EagleDraft {
-            target: self.target,
-            fc: self.fc.clone(),
-            layer: self.layer.clone(),
-            geometry: self.geometry.clone(),
-            cache: Cache::new(1, &self.geometry),
-            chooser: Chooser::default(),
-            input: Vec::new(),
-            pair: Vec::new(),
-            last: Vec::new(),
-            source: self.source.clone(),
+    /// Append the stream the layer reads at target positions `positions`: EAGLE-1 the target's post-norm hidden
+    /// states, EAGLE-3 fc over its captured layers.
+    fn stream(&self, features: &CpuFeatures, positions: std::ops::Range<usize>, out: &mut Vec<f32>, scratch: &mut MatmulScratch) {
+        let h = self.layer().1.hidden;
+        match self {
+            Head::Eagle(_) => out.extend_from_slice(&features.hidden[positions.start * h..positions.end * h]),
+            Head::Eagle3(w) => {
+                let at = out.len();
+                out.resize(at + positions.len() * h, 0.0);
+                w.fc.forward(&features.layers[positions.start * 3 * h..positions.end * 3 * h], &mut out[at..], scratch);
+            }
+        }
+    }
+
+    /// The layer's input (into `w.x`) and, for EAGLE-3, its attention's input (into `w.attn_input`), of the stream
+    /// rows `w.streams` paired with the embedded next tokens `w.embedded`.
+    fn inputs(&self, w: &mut FeedBuffers, scratch: &mut MatmulScratch) {
+        let h = self.layer().1.hidden;
+        let interleave = |out: &mut Vec<f32>, a: &[f32], b: &[f32]| {
+            out.clear();
+            for (a, b) in a.chunks_exact(h).zip(b.chunks_exact(h)) {
+                out.extend_from_slice(a);
+                out.extend_from_slice(b);
+            }
+        };
+        match self {
+            Head::Eagle(e) => {
+                interleave(&mut w.pair, &w.embedded, &w.streams);
+                w.x.resize(w.streams.len(), 0.0);
+                e.fc.forward(&w.pair, &mut w.x, scratch);
+            }
+            Head::Eagle3(e) => {
+                let eps = e.geometry.rms_eps;
+                w.x.resize(w.streams.len(), 0.0);
+                w.normed.resize(w.streams.len(), 0.0);
+                super::model::rms_norm(&w.embedded, &e.input_norm, eps, &mut w.x);
+                super::model::rms_norm(&w.streams, &e.hidden_norm, eps, &mut w.normed);
+                interleave(&mut w.attn_input, &w.x, &w.normed);
+                w.x.clone_from(&w.streams);
+            }
+        }
+    }
+
+    /// What the draft LM head reads of layer output rows: EAGLE-1 the rows, EAGLE-3 their final norm.
+    fn head_input(&self, rows: &[f32]) -> Vec<f32> {
+        match self {
+            Head::Eagle(_) => rows.to_vec(),
+            Head::Eagle3(w) => {
+                let mut normed = vec![0.0; rows.len()];
+                super::model::rms_norm(rows, &w.norm, w.geometry.rms_eps, &mut normed);
+                normed
+            }
         }
     }
 }
 
-impl EagleDraft<'_> {
-    /// Teacher-forced draft logits (full head) at every draft position of `ctx`, from an empty cache:
-    /// `[tokens.len() - 1, vocab]`. For numerics checks against other implementations.
+/// The buffers of a feed, reused from call to call.
+#[derive(Default)]
+struct FeedBuffers {
+    tokens: Vec<u32>,
+    rows: Vec<usize>,
+    streams: Vec<f32>,
+    embedded: Vec<f32>,
+    pair: Vec<f32>,
+    normed: Vec<f32>,
+    attn_input: Vec<f32>,
+    x: Vec<f32>,
+}
+
+/// An EAGLE draft's own part: its head, its cache and the layer's output at its last drafted position, the next
+/// position's stream in place of a target feature. Drafts on the same weights are fed in one forward
+/// (`feed_together`).
+pub struct DraftState {
+    head: Head,
+    cache: Cache,
+    last: Vec<f32>,
+    work: FeedBuffers,
+}
+
+impl SharedWeights for DraftState {
+    fn weights(&self) -> *const () {
+        self.head.weights()
+    }
+}
+
+/// Run drafts on the same weights through their layer in one forward (one pass over its weights): each draft's
+/// stream since it last caught up (or its own last output) paired with its next tokens, at its own positions of its
+/// own cache. The outputs are left in the first draft's `work.x`, `work.rows[i]` rows for draft i, in order; each
+/// draft's last one becomes its `last`. A draft's rows are what it gets alone, bit for bit.
+fn forward_together(target: &Model, states: &mut [&mut DraftState], feeds: &[Feed<'_, CpuFeatures>]) -> Result<FeedBuffers> {
+    let head = states.first().context("no draft to feed")?.head.clone();
+    if states.iter().any(|s| s.head.weights() != head.weights()) {
+        bail!("drafts fed together run the same weights");
+    }
+    let (layer, g) = head.layer();
+    let h = g.hidden;
+    let mut w = std::mem::take(&mut states[0].work);
+    w.streams.clear();
+    w.tokens.clear();
+    w.rows.clear();
+    for (s, feed) in states.iter_mut().zip(feeds) {
+        let seen = s.cache.len();
+        let fed = match feed {
+            // Draft position j pairs (f_j, t_{j+1}); every j < n − 1 has a true target feature.
+            Feed::CatchUp(ctx) => {
+                let n = ctx.tokens.len();
+                if n < seen + 2 {
+                    bail!("a draft catching up at {seen} positions has nothing to catch up on ({n} tokens)");
+                }
+                head.stream(ctx.features, seen..n - 1, &mut w.streams, s.cache.matmul_scratch());
+                &ctx.tokens[seen + 1..n]
+            }
+            // No target feature exists yet for a drafted position: EAGLE feeds its own output instead.
+            Feed::Extend(token) => {
+                if s.last.is_empty() {
+                    bail!("a draft was extended before it caught up");
+                }
+                w.streams.extend_from_slice(&s.last);
+                std::slice::from_ref(token)
+            }
+        };
+        w.tokens.extend_from_slice(fed);
+        w.rows.push(fed.len());
+    }
+    target.embed_into(&w.tokens, &mut w.embedded)?;
+    head.inputs(&mut w, states[0].cache.matmul_scratch());
+    let attn_input = std::mem::take(&mut w.attn_input);
+    let mut caches: Vec<&mut Cache> = states.iter_mut().map(|s| &mut s.cache).collect();
+    let first_attn_input = matches!(head, Head::Eagle3(_)).then_some(&attn_input[..]);
+    super::model::advance_sequences(g, std::slice::from_ref(layer), &mut caches, &w.rows, &mut w.x, first_attn_input, |_, _| {});
+    w.attn_input = attn_input;
+    let mut end = 0;
+    for (s, &n) in states.iter_mut().zip(&w.rows) {
+        end += n;
+        s.last.clear();
+        s.last.extend_from_slice(&w.x[(end - 1) * h..end * h]);
+    }
+    Ok(w)
+}
+
+/// `forward_together`, returning each draft's head input, in order.
+pub fn feed_together(target: &Model, states: &mut [&mut DraftState], feeds: &[Feed<'_, CpuFeatures>]) -> Result<Vec<Vec<f32>>> {
+    let w = forward_together(target, states, feeds)?;
+    let fed = states.iter().map(|s| s.head.head_input(&s.last)).collect();
+    states[0].work = w;
+    Ok(fed)
+}
+
+/// An EAGLE-1 or EAGLE-3 draft on this engine.
+pub struct EagleDraft<'a> {
+    state: DraftState,
+    target: &'a Model,
+    chooser: Chooser<Arc<Matrix>>,
+}
+
+/// An EAGLE head's config (read from `path`) as the config of its one layer, once its width and vocabulary are found
+/// to be the target's.
+fn one_layer(mut config: super::model::Config, target: &Model, path: &Path, kind: &str) -> Result<super::model::Config> {
+    let t = &target.config;
+    if config.hidden != t.hidden {
+        bail!("{}: {kind} hidden size {} ≠ the target's {}", path.display(), config.hidden, t.hidden);
+    }
+    if config.vocab != t.vocab {
+        bail!("{}: {kind} vocabulary {} ≠ the target's {}", path.display(), config.vocab, t.vocab);
+    }
+    config.layers = 1;
+    Ok(config)
+}
+
+impl<'a> EagleDraft<'a> {
+    /// An EAGLE-1 head: `dir` holds config.json and model.safetensors or pytorch_model.bin, with yuhuili's key names.
+    pub fn load(dir: &Path, target: &'a Model) -> Result<EagleDraft<'a>> {
+        let config_path = dir.join("config.json");
+        let config = one_layer(super::model::hf_config(&config_path)?, target, &config_path, "EAGLE")?;
+        let src = TensorFile::open(&checkpoint(dir)?).with_context(|| format!("loading EAGLE head {}", dir.display()))?;
+        let weights = EagleWeights {
+            fc: load_linear(&src, "fc", config.hidden, 2 * config.hidden)?,
+            layer: load_layer(&src, &config, "blk.0", false)?,
+            geometry: Geometry::new(&config, None),
+            source: dir.to_path_buf(),
+        };
+        Ok(EagleDraft::of(Head::Eagle(Arc::new(weights)), target))
+    }
+
+    /// An EAGLE-3 head: `dir` holds config.json (with `draft_vocab_size`) and the checkpoint with yuhuili's EAGLE-3
+    /// key names.
+    pub fn load_eagle3(dir: &Path, target: &'a Model) -> Result<EagleDraft<'a>> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
+        let raw: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", config_path.display()))?;
+        // The checkpoint's architecture name is EAGLE-specific; the layer itself is a Llama layer.
+        let config = one_layer(super::model::hf_config_from(raw.clone(), &config_path, true)?, target, &config_path, "EAGLE-3")?;
+        let t = &target.config;
+        let draft_vocab = raw["draft_vocab_size"].as_u64().map_or(config.vocab, |v| v as usize);
+        let aux_layers: Vec<usize> = match raw.pointer("/eagle_config/eagle_aux_hidden_state_layer_ids").and_then(|v| v.as_array()) {
+            Some(ids) => ids.iter().filter_map(|v| v.as_u64()).map(|v| v as usize).collect(),
+            None => eagle3_default_layers(t.layers),
+        };
+        if aux_layers.len() != 3 || aux_layers.iter().any(|&l| l >= t.layers) || t.layers < 4 {
+            bail!("{}: auxiliary layers {aux_layers:?} do not fit a target of {} layers", config_path.display(), t.layers);
+        }
+        let mut src = TensorFile::open(&checkpoint(dir)?).with_context(|| format!("loading EAGLE-3 head {}", dir.display()))?;
+        src.layer_prefix = "midlayer.";
+        let h = config.hidden;
+        let (qd, kvd) = (config.heads * config.head_dim, config.kv_heads * config.head_dim);
+        let layer = Layer {
+            attn_norm: None,
+            q: load_linear(&src, "blk.0.attn_q", qd, 2 * h)?,
+            k: load_linear(&src, "blk.0.attn_k", kvd, 2 * h)?,
+            v: load_linear(&src, "blk.0.attn_v", kvd, 2 * h)?,
+            o: load_linear(&src, "blk.0.attn_output", h, qd)?,
+            ffn_norm: super::model::load_norm(&src, "blk.0.ffn_norm.weight", h)?,
+            gate: load_linear(&src, "blk.0.ffn_gate", config.intermediate, h)?,
+            up: load_linear(&src, "blk.0.ffn_up", config.intermediate, h)?,
+            down: load_linear(&src, "blk.0.ffn_down", h, config.intermediate)?,
+        };
+        let head = load_linear(&src, "output", draft_vocab, h)?.weight;
+        let d2t = src.offsets("d2t")?;
+        if d2t.len() != draft_vocab {
+            bail!("{}: d2t has {} entries, the draft vocabulary {draft_vocab}", src.path.display(), d2t.len());
+        }
+        let row_ids = d2t_target_ids(&d2t, t.vocab, &src.path)?;
+        let weights = Eagle3Weights {
+            fc: load_linear(&src, "fc", h, 3 * h)?,
+            layer,
+            input_norm: src.raw_vector("midlayer.input_layernorm.weight", h)?,
+            hidden_norm: src.raw_vector("midlayer.hidden_norm.weight", h)?,
+            norm: src.raw_vector("norm.weight", h)?,
+            lm_head: LmHead { matrix: Arc::new(head), row_ids: Some(Arc::new(row_ids)), vocab: t.vocab },
+            aux_layers,
+            geometry: Geometry::new(&config, None),
+            source: dir.to_path_buf(),
+        };
+        Ok(EagleDraft::of(Head::Eagle3(Arc::new(weights)), target))
+    }
+
+    /// A draft of `head` with an empty cache.
+    fn of(head: Head, target: &'a Model) -> EagleDraft<'a> {
+        let cache = Cache::new(1, head.layer().1);
+        EagleDraft { state: DraftState { head, cache, last: Vec::new(), work: FeedBuffers::default() }, target, chooser: Chooser::default() }
+    }
+
+    /// The head this draft runs.
+    pub fn head(&self) -> &Head {
+        &self.state.head
+    }
+
+    /// Another draft on the same weights with an empty cache (a slot of a batch).
+    fn fresh(&self) -> EagleDraft<'a> {
+        EagleDraft::of(self.state.head.clone(), self.target)
+    }
+
+    fn feed(&mut self, feed: Feed<'_, CpuFeatures>) -> Result<Vec<f32>> {
+        Ok(feed_together(self.target, &mut [&mut self.state], &[feed])?.pop().expect("one draft fed"))
+    }
+
+    /// Teacher-forced draft logits (full head: the target's for EAGLE-1, the draft vocabulary for EAGLE-3) at every
+    /// draft position of `ctx`, from an empty cache: `[tokens.len() - 1, head rows]`. For numerics checks against
+    /// other implementations.
     pub fn teacher_forced_logits(&mut self, ctx: &Context<CpuFeatures>) -> Result<Vec<f32>> {
         self.reset();
-        let out = self.unseen_positions(ctx)?;
-        let n = ctx.tokens.len();
-        let head = self.target.lm_head();
-        let mut logits = vec![0.0; (n - 1) * head.rows];
-        head.matmul(&out, &mut logits, self.cache.matmul_scratch());
+        let w = forward_together(self.target, &mut [&mut self.state], &[Feed::CatchUp(*ctx)])?;
+        let inputs = self.state.head.head_input(&w.x);
+        self.state.work = w;
+        let head = self.lm_head().matrix;
+        let mut logits = vec![0.0; (ctx.tokens.len() - 1) * head.rows];
+        head.matmul(&inputs, &mut logits, self.state.cache.matmul_scratch());
         Ok(logits)
     }
 }
 
 impl Draft<Model> for EagleDraft<'_> {
     fn describe(&self) -> String {
-        format!("EAGLE-1 head {}", self.source.display())
+        match &self.state.head {
+            Head::Eagle(w) => format!("EAGLE-1 head {}", w.source.display()),
+            Head::Eagle3(w) => format!("EAGLE-3 head {}", w.source.display()),
+        }
     }
 
     fn lm_head(&self) -> LmHead<Arc<Matrix>> {
-        LmHead::full(self.target.lm_head_shared())
+        match &self.state.head {
+            Head::Eagle(_) => LmHead::full(self.target.lm_head_shared()),
+            Head::Eagle3(w) => w.lm_head.clone(),
+        }
+    }
+
+    fn target_layers(&self) -> Vec<usize> {
+        match &self.state.head {
+            Head::Eagle(_) => Vec::new(),
+            Head::Eagle3(w) => w.aux_layers.clone(),
+        }
     }
 
     fn reset(&mut self) {
-        self.cache.truncate(0);
+        self.state.cache.truncate(0);
+        self.state.last.clear();
     }
 
     fn catch_up(&mut self, ctx: &Context<CpuFeatures>) -> Result<Vec<f32>> {
-        let g = self.unseen_positions(ctx)?;
-        self.last = g[g.len() - self.geometry.hidden..].to_vec();
-        Ok(self.last.clone())
+        self.feed(Feed::CatchUp(*ctx))
     }
 
     fn extend(&mut self, token: u32) -> Result<Vec<f32>> {
-        // No target feature exists yet for the drafted position: EAGLE feeds its own output instead.
-        let last = std::mem::take(&mut self.last);
-        self.last = self.step(&last, &[token])?;
-        Ok(self.last.clone())
+        self.feed(Feed::Extend(token))
     }
 
     fn chooser(&mut self) -> &mut Chooser<Arc<Matrix>> {
@@ -308,8 +536,12 @@ impl Draft<Model> for EagleDraft<'_> {
 
     fn rollback(&mut self, before: usize, _accepted: usize) -> Result<()> {
         // Positions computed from the draft's own features are replaced by ones from true target features.
-        self.cache.truncate(before - 1);
+        self.state.cache.truncate(before - 1);
         Ok(())
+    }
+
+    fn state(&mut self) -> Option<&mut DraftState> {
+        Some(&mut self.state)
     }
 }
 
@@ -340,210 +572,10 @@ pub fn d2t_target_ids(d2t: &[i64], vocab: usize, path: &Path) -> Result<Vec<u32>
         .collect()
 }
 
-/// EAGLE-3 (SafeAILab `cnets.py`, vLLM `llama_eagle3.py`): g = fc(cat of the target's residual streams entering
-/// three layers); one `midlayer` attending over cat(input_layernorm(embed(t)), hidden_norm(g)) with g as the
-/// residual; its own final `norm` and `lm_head` over a draft vocabulary whose row d is target id d + d2t[d].
-/// Later drafting steps feed the layer's own pre-norm output in place of g.
-pub struct Eagle3Draft<'a> {
-    target: &'a Model,
-    pub(crate) fc: Arc<Linear>,
-    pub(crate) layer: Arc<Layer>,
-    pub(crate) input_norm: Vec<f32>,
-    pub(crate) hidden_norm: Vec<f32>,
-    pub(crate) norm: Vec<f32>,
-    pub(crate) lm_head: LmHead<Arc<Matrix>>,
-    pub(crate) aux_layers: Vec<usize>,
-    pub(crate) geometry: Geometry,
-    cache: Cache,
-    chooser: Chooser<Arc<Matrix>>,
-    embeds: Vec<f32>,
-    attn_input: Vec<f32>,
-    /// The midlayer's pre-norm output at the last drafted position: the next position's input in place of g.
-    last: Vec<f32>,
-    pub(crate) source: PathBuf,
-}
-
-impl<'a> Eagle3Draft<'a> {
-    /// `dir` holds config.json (with `draft_vocab_size`) and the checkpoint with yuhuili's EAGLE-3 key names.
-    pub fn load(dir: &Path, target: &'a Model) -> Result<Eagle3Draft<'a>> {
-        let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
-        let raw: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", config_path.display()))?;
-        // The checkpoint's architecture name is EAGLE-specific; the layer itself is a Llama layer.
-        let mut config = super::model::hf_config_from(raw.clone(), &config_path, true)?;
-        let t = &target.config;
-        if config.hidden != t.hidden {
-            bail!("{}: EAGLE-3 hidden size {} ≠ the target's {}", config_path.display(), config.hidden, t.hidden);
-        }
-        if config.vocab != t.vocab {
-            bail!("{}: EAGLE-3 vocabulary {} ≠ the target's {}", config_path.display(), config.vocab, t.vocab);
-        }
-        config.layers = 1;
-        let draft_vocab = raw["draft_vocab_size"].as_u64().map_or(config.vocab, |v| v as usize);
-        let aux_layers: Vec<usize> = match raw.pointer("/eagle_config/eagle_aux_hidden_state_layer_ids").and_then(|v| v.as_array()) {
-            Some(ids) => ids.iter().filter_map(|v| v.as_u64()).map(|v| v as usize).collect(),
-            None => eagle3_default_layers(t.layers),
-        };
-        if aux_layers.len() != 3 || aux_layers.iter().any(|&l| l >= t.layers) || t.layers < 4 {
-            bail!("{}: auxiliary layers {aux_layers:?} do not fit a target of {} layers", config_path.display(), t.layers);
-        }
-        let mut src = TensorFile::open(&checkpoint(dir)?).with_context(|| format!("loading EAGLE-3 head {}", dir.display()))?;
-        src.layer_prefix = "midlayer.";
-        let h = config.hidden;
-        let (qd, kvd) = (config.heads * config.head_dim, config.kv_heads * config.head_dim);
-        let layer = Layer {
-            attn_norm: None,
-            q: load_linear(&src, "blk.0.attn_q", qd, 2 * h)?,
-            k: load_linear(&src, "blk.0.attn_k", kvd, 2 * h)?,
-            v: load_linear(&src, "blk.0.attn_v", kvd, 2 * h)?,
-            o: load_linear(&src, "blk.0.attn_output", h, qd)?,
-            ffn_norm: super::model::load_norm(&src, "blk.0.ffn_norm.weight", h)?,
-            gate: load_linear(&src, "blk.0.ffn_gate", config.intermediate, h)?,
-            up: load_linear(&src, "blk.0.ffn_up", config.intermediate, h)?,
-            down: load_linear(&src, "blk.0.ffn_down", h, config.intermediate)?,
-        };
-        let head = load_linear(&src, "output", draft_vocab, h)?.weight;
-        let d2t = src.offsets("d2t")?;
-        if d2t.len() != draft_vocab {
-            bail!("{}: d2t has {} entries, the draft vocabulary {draft_vocab}", src.path.display(), d2t.len());
-        }
-        let row_ids = d2t_target_ids(&d2t, t.vocab, &src.path)?;
-        let geometry = Geometry::new(&config, None);
-        Ok(Eagle3Draft {
-            target,
-            fc: Arc::new(load_linear(&src, "fc", h, 3 * h)?),
-            layer: Arc::new(layer),
-            input_norm: src.raw_vector("midlayer.input_layernorm.weight", h)?,
-            hidden_norm: src.raw_vector("midlayer.hidden_norm.weight", h)?,
-            norm: src.raw_vector("norm.weight", h)?,
-            lm_head: LmHead { matrix: Arc::new(head), row_ids: Some(Arc::new(row_ids)), vocab: t.vocab },
-            aux_layers,
-            cache: Cache::new(1, &geometry),
-            geometry,
-            chooser: Chooser::default(),
-            embeds: Vec::new(),
-            attn_input: Vec::new(),
-            last: Vec::new(),
-            source: dir.to_path_buf(),
-        })
-    }
-
-    /// The pre-norm outputs of every draft position the cache has not seen, each fed g = fc(its target layers).
-    fn unseen_positions(&mut self, ctx: &Context<CpuFeatures>) -> Result<Vec<f32>> {
-        let (h, n, seen) = (self.geometry.hidden, ctx.tokens.len(), self.cache.len());
-        let mut g = vec![0.0; (n - 1 - seen) * h];
-        self.fc.forward(&ctx.features.layers[seen * 3 * h..(n - 1) * 3 * h], &mut g, self.cache.matmul_scratch());
-        self.step(&g, &ctx.tokens[seen + 1..n])
-    }
-
-    /// The final norm of the last pre-norm output: what the draft LM head reads.
-    fn head_input(&self) -> Vec<f32> {
-        let mut normed = vec![0.0; self.last.len()];
-        super::model::rms_norm(&self.last, &self.norm, self.geometry.rms_eps, &mut normed);
-        normed
-    }
-
-    /// Run inputs g (`[n, hidden]`) with the next tokens through the midlayer; returns the pre-norm outputs.
-    fn step(&mut self, g: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
-        let (h, eps) = (self.geometry.hidden, self.geometry.rms_eps);
-        self.target.embed_into(tokens, &mut self.embeds)?;
-        let n = tokens.len();
-        let mut e = vec![0.0; n * h];
-        let mut hn = vec![0.0; n * h];
-        super::model::rms_norm(&self.embeds, &self.input_norm, eps, &mut e);
-        super::model::rms_norm(g, &self.hidden_norm, eps, &mut hn);
-        self.attn_input.clear();
-        for (er, hr) in e.chunks_exact(h).zip(hn.chunks_exact(h)) {
-            self.attn_input.extend_from_slice(er);
-            self.attn_input.extend_from_slice(hr);
-        }
-        let mut x = g.to_vec();
-        self.cache.advance(&self.geometry, std::slice::from_ref(&*self.layer), &mut x, Some(&self.attn_input), |_, _| {});
-        Ok(x)
-    }
-
-    /// Another draft on the same weights with an empty cache (a slot of a batch).
-    fn fresh(&self) -> Eagle3Draft<'a> {
-        Eagle3Draft {
-            target: self.target,
-            fc: self.fc.clone(),
-            layer: self.layer.clone(),
-            input_norm: self.input_norm.clone(),
-            hidden_norm: self.hidden_norm.clone(),
-            norm: self.norm.clone(),
-            lm_head: self.lm_head.clone(),
-            aux_layers: self.aux_layers.clone(),
-            cache: Cache::new(1, &self.geometry),
-            geometry: self.geometry.clone(),
-            chooser: Chooser::default(),
-            embeds: Vec::new(),
-            attn_input: Vec::new(),
-            last: Vec::new(),
-            source: self.source.clone(),
-        }
-    }
-}
-
-impl Eagle3Draft<'_> {
-    /// Teacher-forced draft logits over the draft vocabulary at every draft position of `ctx`, from an empty
-    /// cache: `[tokens.len() - 1, draft vocab]`. For numerics checks against other implementations.
-    pub fn teacher_forced_logits(&mut self, ctx: &Context<CpuFeatures>) -> Result<Vec<f32>> {
-        self.reset();
-        let n = ctx.tokens.len();
-        let pre = self.unseen_positions(ctx)?;
-        let mut normed = vec![0.0; pre.len()];
-        super::model::rms_norm(&pre, &self.norm, self.geometry.rms_eps, &mut normed);
-        let head = &self.lm_head.matrix;
-        let mut logits = vec![0.0; (n - 1) * head.rows];
-        head.matmul(&normed, &mut logits, self.cache.matmul_scratch());
-        Ok(logits)
-    }
-}
-
-impl Draft<Model> for Eagle3Draft<'_> {
-    fn describe(&self) -> String {
-        format!("EAGLE-3 head {}", self.source.display())
-    }
-
-    fn lm_head(&self) -> LmHead<Arc<Matrix>> {
-        self.lm_head.clone()
-    }
-
-    fn target_layers(&self) -> Vec<usize> {
-        self.aux_layers.clone()
-    }
-
-    fn reset(&mut self) {
-        self.cache.truncate(0);
-    }
-
-    fn catch_up(&mut self, ctx: &Context<CpuFeatures>) -> Result<Vec<f32>> {
-        let pre = self.unseen_positions(ctx)?;
-        self.last = pre[pre.len() - self.geometry.hidden..].to_vec();
-        Ok(self.head_input())
-    }
-
-    fn extend(&mut self, token: u32) -> Result<Vec<f32>> {
-        let last = std::mem::take(&mut self.last);
-        self.last = self.step(&last, &[token])?;
-        Ok(self.head_input())
-    }
-
-    fn chooser(&mut self) -> &mut Chooser<Arc<Matrix>> {
-        &mut self.chooser
-    }
-
-    fn rollback(&mut self, before: usize, _accepted: usize) -> Result<()> {
-        self.cache.truncate(before - 1);
-        Ok(())
-    }
-}
-
 /// A draft as loaded on the CPU engine, before it is boxed (or converted for another engine).
 pub enum Loaded<'a> {
     Model(ModelDraft),
     Eagle(EagleDraft<'a>),
-    Eagle3(Eagle3Draft<'a>),
 }
 
 /// Load the draft `kind` names for `target` (loaded from `target_spec`).
@@ -570,7 +602,7 @@ pub fn load<'a>(kind: &DraftKind, draft: Option<&str>, target: &'a crate::loadin
             Loaded::Model(ModelDraft::new(d.model, format!("draft model {spec}")))
         }
         DraftKind::Eagle => Loaded::Eagle(EagleDraft::load(&folder("eagle")?, &target.model)?),
-        DraftKind::Eagle3 => Loaded::Eagle3(Eagle3Draft::load(&folder("eagle3")?, &target.model)?),
+        DraftKind::Eagle3 => Loaded::Eagle(EagleDraft::load_eagle3(&folder("eagle3")?, &target.model)?),
     })
 }
 
@@ -580,7 +612,6 @@ impl<'a> Loaded<'a> {
         match self {
             Loaded::Model(d) => Loaded::Model(d.fresh()),
             Loaded::Eagle(d) => Loaded::Eagle(d.fresh()),
-            Loaded::Eagle3(d) => Loaded::Eagle3(d.fresh()),
         }
     }
 
@@ -588,7 +619,6 @@ impl<'a> Loaded<'a> {
         match self {
             Loaded::Model(d) => Box::new(d),
             Loaded::Eagle(d) => Box::new(d),
-            Loaded::Eagle3(d) => Box::new(d),
         }
     }
 }

@@ -8,7 +8,7 @@ pub mod model;
 pub mod q8;
 pub mod tensor;
 
-use crate::speculative::{Batch, Block, HeadRows, HostLogits, Positions, TargetModel};
+use crate::speculative::{Batch, Block, Feed, HeadRows, HostLogits, Positions, TargetModel};
 use anyhow::Result;
 use model::{Cache, Model};
 use std::sync::Arc;
@@ -77,7 +77,7 @@ impl Positions for Cache {
 impl TargetModel for Model {
     type Cache = Cache;
     type Features = CpuFeatures;
-    type DraftState = ();
+    type DraftState = draft::DraftState;
     type Logits = HostLogits;
     type Head = Arc<Matrix>;
 
@@ -105,6 +105,11 @@ impl TargetModel for Model {
         }
         *logits = fwd.logits;
         Ok(())
+    }
+
+    /// EAGLE drafts on the same weights through their layer in one pass over its weights (`draft::feed_together`).
+    fn feed_together(&self, states: &mut [&mut draft::DraftState], feeds: &[Feed<'_, CpuFeatures>]) -> Result<Vec<Vec<f32>>> {
+        draft::feed_together(self, states, feeds)
     }
 
     /// Every block in one pass (`Model::forward_sequences`).
@@ -167,5 +172,9 @@ impl HeadRows for Arc<Matrix> {
 
     fn probe(&self) -> Result<Vec<f32>> {
         Ok(vec![0.5; self.cols])
+    }
+
+    fn shares_rows_with(&self, other: &Arc<Matrix>) -> bool {
+        Arc::ptr_eq(self, other)
     }
 }

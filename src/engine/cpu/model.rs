@@ -9,6 +9,7 @@
 use crate::engine::cpu::tensor::{dot, Matrix, MatmulScratch};
 use crate::loading::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
+use rayon::prelude::*;
 use serde::Deserialize;
 use std::path::Path;
 use std::sync::Arc;
@@ -159,37 +160,52 @@ impl Geometry {
         }
     }
 
-    /// Causal attention of the block's queries over the cache. Each (query, head) is computed on its own, with
-    /// keys visited in position order, so the result does not depend on how the positions were grouped.
-    fn attention(&self, q: &[f32], kv: &LayerCache, start: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
-        let (d, kvd, qd) = (self.head_dim, self.kv_width(), self.heads * self.head_dim);
-        let group = self.heads / self.kv_heads;
+    /// Causal attention of one query head (`q`, head_dim wide) over the first `visible` positions of the cache, into
+    /// `out`. Keys are visited in position order, so the result does not depend on how positions were grouped.
+    fn attend(&self, q: &[f32], kv: &LayerCache, visible: usize, kv_head: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+        let (d, kvd) = (self.head_dim, self.kv_width());
         let scale = 1.0 / (d as f32).sqrt();
-        let n = q.len() / qd;
-        for i in 0..n {
-            let visible = start + i + 1;
-            scores.resize(visible, 0.0);
-            for h in 0..self.heads {
-                let kvh = h / group;
-                let qh = &q[i * qd + h * d..i * qd + (h + 1) * d];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    *s = dot(qh, &kv.keys[j * kvd + kvh * d..j * kvd + (kvh + 1) * d]) * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out[i * qd + h * d..i * qd + (h + 1) * d];
-                o.fill(0.0);
-                for (j, s) in scores.iter().enumerate() {
-                    let p = s / sum;
-                    let vj = &kv.values[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
-                    o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
-                }
-            }
+        let at = |j: usize| j * kvd + kv_head * d..j * kvd + (kv_head + 1) * d;
+        scores.resize(visible, 0.0);
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = dot(q, &kv.keys[at(j)]) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        out.fill(0.0);
+        for (j, s) in scores.iter().enumerate() {
+            let p = s / sum;
+            out.iter_mut().zip(&kv.values[at(j)]).for_each(|(o, v)| *o += p * v);
+        }
+    }
+
+    /// Causal attention of every query head of the block's rows, each sequence's rows over its own cache: one task
+    /// per (row, head) on the pool, each computed as `attend` computes it alone.
+    fn attention(&self, q: &[f32], segments: &[(&LayerCache, usize, usize)], out: &mut [f32]) {
+        thread_local! {
+            static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let (d, group) = (self.head_dim, self.heads / self.kv_heads);
+        let task = |(i, out): (usize, &mut [f32])| {
+            let (row, h) = (i / self.heads, i % self.heads);
+            // The segment holding `row`: (cache, its length before the block, the block row it starts at).
+            let &(kv, start, first) = segments.iter().rev().find(|&&(_, _, first)| first <= row).expect("rows start at 0");
+            SCORES.with_borrow_mut(|scores| self.attend(&q[i * d..(i + 1) * d], kv, start + row - first + 1, h / group, scores, out));
+        };
+        // Below some 64k products (a few tens of µs) handing tasks to the pool costs more than it saves.
+        let rows = q.len() / (self.heads * d);
+        let products: usize = segments.iter().enumerate().map(|(s, &(_, start, first))| {
+            let end = segments.get(s + 1).map_or(rows, |next| next.2);
+            (first..end).map(|row| start + row - first + 1).sum::<usize>()
+        }).sum::<usize>() * self.heads * d;
+        match products < 1 << 16 {
+            true => out.chunks_mut(d).enumerate().for_each(task),
+            false => crate::engine::cpu::tensor::pool().install(|| out.par_chunks_mut(d).enumerate().for_each(task)),
         }
     }
 }
@@ -230,15 +246,18 @@ impl Layer {
             g.rope(&mut w.q[i * qd..(i + 1) * qd], &w.cos, &w.sin, i);
             g.rope(&mut w.k[i * kvd..(i + 1) * kvd], &w.cos, &w.sin, i);
         }
+        // Each sequence attends over its own cache only.
         let mut row = 0;
-        for s in segments {
-            // Each sequence attends over its own cache only.
-            let rows = row..row + s.rows;
-            s.kv.keys.extend_from_slice(&w.k[rows.start * kvd..rows.end * kvd]);
-            s.kv.values.extend_from_slice(&w.v[rows.start * kvd..rows.end * kvd]);
-            g.attention(&w.q[rows.start * qd..rows.end * qd], s.kv, s.start, &mut w.scores, &mut w.attn[rows.start * qd..rows.end * qd]);
-            row = rows.end;
-        }
+        let caches: Vec<(&LayerCache, usize, usize)> = segments
+            .map(|s| {
+                let rows = row..row + s.rows;
+                s.kv.keys.extend_from_slice(&w.k[rows.start * kvd..rows.end * kvd]);
+                s.kv.values.extend_from_slice(&w.v[rows.start * kvd..rows.end * kvd]);
+                row = rows.end;
+                (&*s.kv, s.start, rows.start)
+            })
+            .collect();
+        g.attention(&w.q, &caches, &mut w.attn);
         self.o.forward(&w.attn, &mut w.proj, &mut w.matmul.0);
         x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
 
@@ -306,7 +325,6 @@ pub struct Workspace {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    scores: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
     matmul: MatmulScratchCell,
@@ -350,28 +368,38 @@ impl Cache {
     /// Run `layers` over the residual stream `x` (`[n, hidden]`) at positions `len()..`, appending to the cache.
     /// `first_attn_input` replaces the first layer's attention input; `capture(i, x)` sees the stream entering
     /// layer i.
-    pub fn advance(
-        &mut self,
-        g: &Geometry,
-        layers: &[Layer],
-        x: &mut [f32],
-        first_attn_input: Option<&[f32]>,
-        mut capture: impl FnMut(usize, &[f32]),
-    ) {
+    pub fn advance(&mut self, g: &Geometry, layers: &[Layer], x: &mut [f32], first_attn_input: Option<&[f32]>, capture: impl FnMut(usize, &[f32])) {
         let n = x.len() / g.hidden;
-        let start = self.len;
-        g.rope_tables(start..start + n, &mut self.work);
-        for (i, (layer, kv)) in layers.iter().zip(&mut self.layers).enumerate() {
-            capture(i, x);
-            layer.forward(g, x, if i == 0 { first_attn_input } else { None }, std::iter::once(Segment { kv, start, rows: n }), &mut self.work);
-        }
-        self.len = start + n;
+        advance_sequences(g, layers, &mut [self], &[n], x, first_attn_input, capture);
     }
 
     /// The scratch a caller may use for its own matmuls between forwards.
     pub fn matmul_scratch(&mut self) -> &mut MatmulScratch {
         &mut self.work.matmul.0
     }
+}
+
+/// `Cache::advance` for several sequences in one pass over the layers' weights: `x` holds `rows[i]` rows continuing
+/// `caches[i]`, in order, and each sequence attends over its own cache only, so its rows are what it gets alone, bit
+/// for bit. The first cache's buffers serve every sequence.
+pub fn advance_sequences(
+    g: &Geometry,
+    layers: &[Layer],
+    caches: &mut [&mut Cache],
+    rows: &[usize],
+    x: &mut [f32],
+    first_attn_input: Option<&[f32]>,
+    mut capture: impl FnMut(usize, &[f32]),
+) {
+    let mut work = std::mem::take(&mut caches[0].work);
+    g.rope_tables(caches.iter().zip(rows).flat_map(|(k, &per)| k.len..k.len + per), &mut work);
+    for (i, layer) in layers.iter().enumerate() {
+        capture(i, x);
+        let segments = caches.iter_mut().zip(rows).map(|(k, &rows)| Segment { start: k.len, kv: &mut k.layers[i], rows });
+        layer.forward(g, x, if i == 0 { first_attn_input } else { None }, segments, &mut work);
+    }
+    caches.iter_mut().zip(rows).for_each(|(k, &per)| k.len += per);
+    caches[0].work = work;
 }
 
 impl Model {
@@ -518,25 +546,18 @@ impl Model {
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= c.layers) {
             bail!("layer {l} does not exist (the model has {})", c.layers);
         }
-        // The first cache's buffers serve every sequence.
-        let mut work = std::mem::take(&mut caches[0].work);
-        let mut x = std::mem::take(&mut work.x);
+        let mut x = std::mem::take(&mut caches[0].work.x);
         self.embed_into(tokens, &mut x)?;
-        self.geometry.rope_tables(caches.iter().zip(rows).flat_map(|(k, &per)| k.len..k.len + per), &mut work);
         let mut layer_inputs = vec![Vec::new(); capture_layers.len()];
-        for (i, layer) in self.layers.iter().enumerate() {
+        advance_sequences(&self.geometry, &self.layers, caches, rows, &mut x, None, |i, x| {
             for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == i) {
-                layer_inputs[slot] = x.clone();
+                layer_inputs[slot] = x.to_vec();
             }
-            let segments = caches.iter_mut().zip(rows).map(|(k, &rows)| Segment { start: k.len, kv: &mut k.layers[i], rows });
-            layer.forward(&self.geometry, &mut x, None, segments, &mut work);
-        }
-        caches.iter_mut().zip(rows).for_each(|(k, &per)| k.len += per);
+        });
         let mut hidden = vec![0.0; n * c.hidden];
         rms_norm(&x, &self.norm, c.rms_eps, &mut hidden);
-        work.x = x;
-        let logits = self.logits(&hidden, logit_rows, &mut work.matmul.0);
-        caches[0].work = work;
+        caches[0].work.x = x;
+        let logits = self.logits(&hidden, logit_rows, caches[0].matmul_scratch());
         Ok(Forward { hidden, logits, layer_inputs })
     }
 
