@@ -570,16 +570,16 @@ impl<'h, T: TargetModel> SideBySide<'h, T> {
                 let Some((cover, _)) = self.covered_by[first].clone() else { continue };
                 let t = Instant::now();
                 let mut choices: Vec<Choice<T::Head>> = Vec::new();
-                let mut members = seqs.iter_mut().zip(&self.hidden).zip(&self.covered_by).filter_map(|((s, hidden), by)| match by {
-                    Some((c, within)) if std::ptr::eq(*c, cover) => Some((s, hidden, within)),
-                    _ => None,
-                });
-                let mut next = members.next();
+                let mut members = seqs
+                    .iter_mut()
+                    .zip(&self.hidden)
+                    .zip(&self.covered_by)
+                    .filter_map(|((s, hidden), by)| by.as_ref().filter(|(c, _)| std::ptr::eq(*c, cover)).map(|(_, within)| (s, hidden, within)))
+                    .peekable();
                 for (i, draft) in drafts.iter_mut().enumerate() {
-                    if let Some((s, hidden, within)) = next.take_if(|(s, _, _)| s.slot == i) {
+                    if let Some((s, hidden, within)) = members.next_if(|(s, _, _)| s.slot == i) {
                         let head = s.head;
                         choices.push(Choice { chooser: draft.chooser(), hidden: hidden.as_ref().expect("planned"), rng: &mut *s.rng, out: &mut *s.proposal, head, within: within.as_deref() });
-                        next = members.next();
                     }
                 }
                 let count = choices.len();

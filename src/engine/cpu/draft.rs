@@ -313,7 +313,7 @@ impl SharedWeights for DraftState {
 /// stream since it last caught up (or its own last output) paired with its next tokens, at its own positions of its
 /// own cache. The outputs are left in the first draft's `work.x`, `work.rows[i]` rows for draft i, in order; each
 /// draft's last one becomes its `last`. A draft's rows are what it gets alone, bit for bit.
-fn forward_together(target: &Model, states: &mut [&mut DraftState], feeds: &[Feed<'_, CpuFeatures>]) -> Result<FeedBuffers> {
+fn forward_together(target: &Model, states: &mut [&mut DraftState], feeds: &[Feed<'_, CpuFeatures>]) -> Result<()> {
     let head = states.first().context("no draft to feed")?.head.clone();
     if states.iter().any(|s| s.head.weights() != head.weights()) {
         bail!("drafts fed together run the same weights");
@@ -350,26 +350,23 @@ fn forward_together(target: &Model, states: &mut [&mut DraftState], feeds: &[Fee
     }
     target.embed_into(&w.tokens, &mut w.embedded)?;
     head.inputs(&mut w, states[0].cache.matmul_scratch());
-    let attn_input = std::mem::take(&mut w.attn_input);
     let mut caches: Vec<&mut Cache> = states.iter_mut().map(|s| &mut s.cache).collect();
-    let first_attn_input = matches!(head, Head::Eagle3(_)).then_some(&attn_input[..]);
+    let first_attn_input = matches!(head, Head::Eagle3(_)).then_some(&w.attn_input[..]);
     super::model::advance_sequences(g, std::slice::from_ref(layer), &mut caches, &w.rows, &mut w.x, first_attn_input, |_, _| {});
-    w.attn_input = attn_input;
     let mut end = 0;
     for (s, &n) in states.iter_mut().zip(&w.rows) {
         end += n;
         s.last.clear();
         s.last.extend_from_slice(&w.x[(end - 1) * h..end * h]);
     }
-    Ok(w)
+    states[0].work = w;
+    Ok(())
 }
 
 /// `forward_together`, returning each draft's head input, in order.
 pub fn feed_together(target: &Model, states: &mut [&mut DraftState], feeds: &[Feed<'_, CpuFeatures>]) -> Result<Vec<Vec<f32>>> {
-    let w = forward_together(target, states, feeds)?;
-    let fed = states.iter().map(|s| s.head.head_input(&s.last)).collect();
-    states[0].work = w;
-    Ok(fed)
+    forward_together(target, states, feeds)?;
+    Ok(states.iter().map(|s| s.head.head_input(&s.last)).collect())
 }
 
 /// An EAGLE-1 or EAGLE-3 draft on this engine.
@@ -485,9 +482,8 @@ impl<'a> EagleDraft<'a> {
     /// other implementations.
     pub fn teacher_forced_logits(&mut self, ctx: &Context<CpuFeatures>) -> Result<Vec<f32>> {
         self.reset();
-        let w = forward_together(self.target, &mut [&mut self.state], &[Feed::CatchUp(*ctx)])?;
-        let inputs = self.state.head.head_input(&w.x);
-        self.state.work = w;
+        forward_together(self.target, &mut [&mut self.state], &[Feed::CatchUp(*ctx)])?;
+        let inputs = self.state.head.head_input(&self.state.work.x);
         let head = self.lm_head().matrix;
         let mut logits = vec![0.0; (ctx.tokens.len() - 1) * head.rows];
         head.matmul(&inputs, &mut logits, self.state.cache.matmul_scratch());

@@ -184,25 +184,22 @@ impl Geometry {
         }
     }
 
-    /// Causal attention of every query head of the block's rows, each sequence's rows over its own cache: one task
+    /// Causal attention of every query head of the block's rows, each sequence's rows over its own cache
+    /// (`segments`: the cache, its length before the block, the block row the sequence starts at, its rows): one task
     /// per (row, head) on the pool, each computed as `attend` computes it alone.
-    fn attention(&self, q: &[f32], segments: &[(&LayerCache, usize, usize)], out: &mut [f32]) {
+    fn attention(&self, q: &[f32], segments: &[(&LayerCache, usize, usize, usize)], out: &mut [f32]) {
         thread_local! {
             static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         let (d, group) = (self.head_dim, self.heads / self.kv_heads);
         let task = |(i, out): (usize, &mut [f32])| {
             let (row, h) = (i / self.heads, i % self.heads);
-            // The segment holding `row`: (cache, its length before the block, the block row it starts at).
-            let &(kv, start, first) = segments.iter().rev().find(|&&(_, _, first)| first <= row).expect("rows start at 0");
+            let &(kv, start, first, _) = segments.iter().find(|&&(_, _, first, rows)| row < first + rows).expect("a segment holds every row");
             SCORES.with_borrow_mut(|scores| self.attend(&q[i * d..(i + 1) * d], kv, start + row - first + 1, h / group, scores, out));
         };
         // Below some 64k products (a few tens of µs) handing tasks to the pool costs more than it saves.
-        let rows = q.len() / (self.heads * d);
-        let products: usize = segments.iter().enumerate().map(|(s, &(_, start, first))| {
-            let end = segments.get(s + 1).map_or(rows, |next| next.2);
-            (first..end).map(|row| start + row - first + 1).sum::<usize>()
-        }).sum::<usize>() * self.heads * d;
+        // Row r of a segment sees start + r + 1 positions.
+        let products = segments.iter().map(|&(_, start, _, rows)| rows * start + rows * (rows + 1) / 2).sum::<usize>() * self.heads * d;
         match products < 1 << 16 {
             true => out.chunks_mut(d).enumerate().for_each(task),
             false => crate::engine::cpu::tensor::pool().install(|| out.par_chunks_mut(d).enumerate().for_each(task)),
@@ -248,13 +245,13 @@ impl Layer {
         }
         // Each sequence attends over its own cache only.
         let mut row = 0;
-        let caches: Vec<(&LayerCache, usize, usize)> = segments
+        let caches: Vec<(&LayerCache, usize, usize, usize)> = segments
             .map(|s| {
                 let rows = row..row + s.rows;
                 s.kv.keys.extend_from_slice(&w.k[rows.start * kvd..rows.end * kvd]);
                 s.kv.values.extend_from_slice(&w.v[rows.start * kvd..rows.end * kvd]);
                 row = rows.end;
-                (&*s.kv, s.start, rows.start)
+                (&*s.kv, s.start, rows.start, s.rows)
             })
             .collect();
         g.attention(&w.q, &caches, &mut w.attn);
