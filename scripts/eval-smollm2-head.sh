@@ -18,8 +18,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 [[ $wanted != *" untrained "* ]] ||
   "$frspec" train-eagle --target smollm2 --corpus "$cache/brown" --format tagged --out "$work/untrained-head" --steps 0 --quiet
+# kquants: the activations of every evaluation in results/train/eval (made before 8-bit activations became the
+# default), so that a new head pairs with them.
 common=(--model smollm2 --dataset mt-bench --num-prompts 80 --temperatures 0 --repeats 1 --k 4 --max-new-tokens 128
-        --turns 1 --freq brown-smollm2 --quiet)
+        --turns 1 --freq brown-smollm2 --activations kquants --quiet)
 run() {
   local name=$1; shift
   [[ $wanted == *" $name "* ]] || return 0

@@ -931,7 +931,7 @@ def main():
     resume_args = ("sweep --model {aux}/tiny-target --draft-kind truncated:1 --ratios 0 --temperatures 0 --repeats 1 "
                    "--max-new-tokens 2 --turns 1 --num-prompts 2 --dataset {aux}/questions.jsonl --quiet --resume --out {}")
     identity = {
-        "settings": {"categories": [], "dataset": "{aux}/questions.jsonl", "device": "cpu", "draft": None,
+        "settings": {"activations": "q8", "categories": [], "dataset": "{aux}/questions.jsonl", "device": "cpu", "draft": None,
                      "draft_kind": "truncated:1", "draft_mode": "argmax", "dtype": "f32", "freq": None, "k": 4,
                      "max_new_tokens": 2, "model": "{aux}/tiny-target", "num_prompts": 2, "preset": None,
                      "pruning": {"ratios": [0.0]}, "repeats": 1, "seed": 0, "temperatures": [0.0], "top_p": 1.0, "turns": 1},

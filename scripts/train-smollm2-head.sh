@@ -20,6 +20,9 @@
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The target's arithmetic when the shipped heads' teacher data was made (f32 activations against its Q4_1 rows; the
+# default became 8-bit activations later), so the recipes stay the ones measured.
+export FRSPEC_ACTIVATIONS=kquants
 arch=eagle1
 if [ "${1:-}" = eagle1 ] || [ "${1:-}" = eagle3 ]; then arch=$1; shift; fi
 frspec=${1:-$(scripts/frspec-bin.sh)}

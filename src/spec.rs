@@ -78,10 +78,10 @@ pub struct SweepSpec {
     /// on it; on the candle engine it is part of the settings `check` and `--resume` compare.
     #[arg(long)]
     pub batch: Option<usize>,
-    /// CPU engine: which quantized rows multiply activations quantized to 8 bits, as llama.cpp does: kquants (the
-    /// default; K-quant rows), q8 (every quantized row: Q4_0, Q4_1 and Q8_0 too, ≈ 1.5–2× faster on a CPU with
-    /// AVX-512 VNNI) or f32 (none: exact activations, what the candle engine computes). Default: FRSPEC_ACTIVATIONS,
-    /// else kquants. Records depend on it.
+    /// CPU engine: which quantized rows multiply activations quantized to 8 bits, as llama.cpp does: q8 (the
+    /// default; every quantized row, ≈ 1.5–2× faster than f32 activations with AVX2 or AVX-512 VNNI), kquants
+    /// (K-quant rows only) or f32 (none: exact activations, what the candle engine computes). Default:
+    /// FRSPEC_ACTIVATIONS, else q8. Records depend on it.
     #[arg(long, value_enum)]
     pub activations: Option<Activations>,
 }
@@ -231,9 +231,9 @@ pub struct Settings {
     /// (`identity_json`).
     #[serde(skip)]
     pub batch: usize,
-    /// Left out of the settings' JSON when it is the default, so folders made before the choice existed keep their
-    /// identity.
-    #[serde(skip_serializing_if = "Activations::is_default", default = "Activations::default_mode")]
+    /// Left out of the settings' JSON when it is kquants, the mode of every folder made before the choice existed, so
+    /// they keep their identity; the default (q8) is written.
+    #[serde(skip_serializing_if = "Activations::is_unnamed", default = "Activations::unnamed")]
     pub activations: Activations,
     /// The part of the sweep this run makes (`--shard`); in the identity as `"shard": "I/N"` when set.
     #[serde(skip)]
@@ -403,14 +403,16 @@ mod tests {
     }
 
     #[test]
-    fn the_activations_are_in_the_identity_only_when_they_are_not_the_default() {
+    fn the_activations_are_in_the_identity_unless_they_are_those_of_folders_that_never_named_them() {
         let default = resolve(None, None, &SweepSpec::default()).unwrap();
-        let q8 = resolve(None, None, &SweepSpec { activations: Some(Activations::Q8), ..SweepSpec::default() }).unwrap();
-        assert_eq!(default.activations, Activations::KQuants);
-        assert!(default.identity_json().unwrap().get("activations").is_none());
-        let json = q8.identity_json().unwrap();
+        assert_eq!(default.activations, Activations::Q8);
+        let json = default.identity_json().unwrap();
         assert_eq!(json["activations"], "q8");
-        assert_eq!(Settings::from_identity(&json).unwrap(), q8);
+        assert_eq!(Settings::from_identity(&json).unwrap(), default);
+        let kquants = resolve(None, None, &SweepSpec { activations: Some(Activations::KQuants), ..SweepSpec::default() }).unwrap();
+        let json = kquants.identity_json().unwrap();
+        assert!(json.get("activations").is_none());
+        assert_eq!(Settings::from_identity(&json).unwrap(), kquants);
     }
 
     #[test]

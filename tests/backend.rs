@@ -1,14 +1,23 @@
 //! The candle engine (frspec's GPU path) against the CPU engine, run here on the CPU in f32: the same model gives
 //! the same greedy tokens and nearly the same hidden states; its caches roll back as verification needs; the
 //! `bench decode` route through it reports and compares; in bf16 it stays within bf16's tolerance of the engine; padded
-//! head rows change no logits.
+//! head rows change no logits; with the shipped heads on SmolLM2 the two engines give the same drafts and records
+//! (T = 0 loop and fast path, batched or not; drafts fed together). Exact activations throughout
+//! (`common::exact_activations`): the CPU engine's default 8-bit activations are not what candle computes.
 
 mod common;
-use common::frspec;
+use common::smollm2::{batched_sweep, fed_alone_and_together, keep, mt_bench_prompts, smollm2};
+use common::{exact_activations, frspec};
 use frspec::engine::candle::draft::DraftWeights;
 use frspec::engine::candle::llama::{greedy, named_shape, Attention, Cache, Llama};
 use frspec::engine::candle::{DeviceHead, DeviceRow};
-use frspec::speculative::{Context, HeadRows, TargetModel};
+use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
+use frspec::speculative::generate::generate;
+use frspec::speculative::{Context, Draft, DraftHead, DraftKind, DraftMode, HeadMode, HeadRows, TargetModel};
+use frspec::sampling::Sampling;
+use frspec::sweep::{Plan, Run};
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
 use frspec::engine::cpu::model::Config;
 use frspec::bench::engine_greedy;
 use frspec::text::chat::Message;
@@ -33,6 +42,7 @@ fn agrees_with_engine(model: &Model, prompt: &[u32], new_tokens: usize, toleranc
 
 #[test]
 fn smollm2_greedy_tokens_match_the_engine() {
+    exact_activations();
     // GGUF: interleaved RoPE, tied embeddings, Q4_1 weights dequantized.
     let target = Target::load("smollm2").unwrap_or_else(|e| panic!("{e:#}"));
     let prompt = target.tokenizer.chat_prompt(&[Message::new("user", "Name three rivers in Europe.")]).unwrap();
@@ -41,6 +51,7 @@ fn smollm2_greedy_tokens_match_the_engine() {
 
 #[test]
 fn synthetic_greedy_tokens_match_the_engine() {
+    exact_activations();
     agrees_with_engine(&synthetic_model(), &[5, 17, 200, 3, 99, 42, 7], 32, 1e-4);
 }
 
@@ -54,6 +65,7 @@ fn synthetic_model() -> Model {
 
 #[test]
 fn caches_roll_back_and_blocks_equal_single_steps() {
+    exact_activations();
     let shape = Config { layers: 2, vocab: 512, ..named_shape("smollm2-135m").unwrap() };
     let llama = Llama::random(&shape, &Device::Cpu, DType::F32).unwrap();
     let prompt: Vec<u32> = (0..9).map(|i| i * 37 % 512).collect();
@@ -99,6 +111,7 @@ fn forward_batch(llama: &Llama, caches: &mut [&mut Cache], tokens: &[&[u32]]) ->
 
 #[test]
 fn ragged_sequences_attend_in_one_pass_as_each_alone() {
+    exact_activations();
     // Every row of a batch at its own place in one pool, written and attended by one launch a layer each, against
     // each sequence alone through candle's products and softmax: prompts of 1 to 40 positions in one pass, then
     // blocks of 5, 30, 3 and 2 tokens (the pool grows past its first 64 positions, keeping what it held); a dropped
@@ -147,6 +160,7 @@ fn ragged_sequences_attend_in_one_pass_as_each_alone() {
 
 #[test]
 fn bench_decode_on_the_candle_engine_compares_with_the_engine() {
+    exact_activations();
     // The model folder scripts/gpu-check.sh makes.
     let dir = tempfile::tempdir().unwrap();
     let made = frspec().args(["synthetic-model", "--out", dir.path().to_str().unwrap(), "--hidden", "128", "--layers", "2", "--vocab", "260"]).output().unwrap();
@@ -205,6 +219,7 @@ fn relative_error(a: &Tensor, b: &[f32]) -> f64 {
 
 #[test]
 fn fused_forward_agrees_with_the_engine_in_f32_and_bf16() {
+    exact_activations();
     // The candle forward (fused norms, RoPE, SiLU × up and one-token attention, stacked projections, the cache
     // written in place) against the CPU engine, prompt, a verification block and one token over the cache: f32 to
     // rounding, bf16 to its 8-bit mantissa.
@@ -228,6 +243,7 @@ fn fused_forward_agrees_with_the_engine_in_f32_and_bf16() {
 
 #[test]
 fn padded_head_rows_give_the_unpadded_logits() {
+    exact_activations();
     // 1,283 kept rows are stored as 1,408 (a multiple of 128); the padding's logits never reach the chooser.
     let matrix = Tensor::randn(0f32, 1.0, (3000, 64), &Device::Cpu).unwrap();
     let ids: Vec<u32> = (0..1283).map(|i| (i * 7 % 3000) as u32).collect();
@@ -249,6 +265,7 @@ fn padded_head_rows_give_the_unpadded_logits() {
 
 #[test]
 fn matvec_kernels_equal_the_ops_they_fold() {
+    exact_activations();
     // The CPU twins of the GPU matrix-vector kernels that one-row products take there (kernels.cu runs only on a
     // GPU; scripts/gpu-check.sh checks those through greedy tokens and sweep records against the CPU engine): the
     // plain product, the product of the RMS-normed row, and the product plus a residual.
@@ -276,6 +293,7 @@ fn matvec_kernels_equal_the_ops_they_fold() {
 
 #[test]
 fn a_heads_product_of_several_rows_gives_each_row_what_it_gets_alone_on_both_engines() {
+    exact_activations();
     // Sequences drafting through one head share one product of it (`logits_many`, `argmax_many`): on the CPU engine
     // each row gets its own logits bit for bit, on the candle engine to rounding with the same argmax; a masked head
     // masks every row and a sliced one gives the masked one's kept entries.
@@ -330,5 +348,114 @@ fn a_heads_product_of_several_rows_gives_each_row_what_it_gets_alone_on_both_eng
             let want: Vec<usize> = order.iter().map(|&i| argmax[i]).collect();
             assert_eq!((indices.clone(), device_argmax), (want.clone(), want), "candle engine, {mode:?}, {how}: argmax");
         }
+    }
+}
+
+#[test]
+fn the_candle_engine_gives_the_cpu_engines_records_with_the_shipped_eagle_head() {
+    exact_activations();
+    let t = smollm2();
+    let load = || frspec::engine::cpu::draft::load(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap();
+    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let weights = DraftWeights::from_engine(&load(), &llama).unwrap();
+    let ratios = [0.0, 0.5, 0.9];
+    let mut on_cpu: Vec<Box<dyn Draft<Model>>> = ratios.iter().map(|_| load().boxed()).collect();
+    let mut on_candle: Vec<Box<dyn Draft<Llama> + '_>> = ratios.iter().map(|_| weights.instance(&llama)).collect();
+    let cpu_heads: Vec<_> = on_cpu.iter().zip(ratios).map(|(d, r)| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
+    let candle_heads: Vec<_> = on_candle.iter().zip(ratios).map(|(d, r)| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
+    let (prompts, stop) = (mt_bench_prompts(10), &t.tokenizer.stop_ids);
+    let mut accepted = 0;
+    // The T = 0 path a sweep takes: the target's continuation once, every ratio's draft along it.
+    for k in [1, 4] {
+        for (i, prompt) in prompts.iter().enumerate() {
+            let (want, want_recs) = greedy_turns(&t.model, stop, on_cpu[0].as_mut(), &cpu_heads.iter().collect::<Vec<_>>(), prompt, k, 64).unwrap();
+            let (got, recs) = greedy_turns(&llama, stop, on_candle[0].as_mut(), &candle_heads.iter().collect::<Vec<_>>(), prompt, k, 64).unwrap();
+            assert_eq!(got, want, "k {k} prompt {i}: tokens");
+            for ((rec, want_rec), ratio) in recs.iter().zip(&want_recs).zip(ratios) {
+                assert_eq!(rec.without_timings(), want_rec.without_timings(), "ratio {ratio} k {k} prompt {i}: record");
+                accepted += rec.accepted;
+            }
+        }
+    }
+    assert!(accepted > 0, "the shipped head drafts tokens the target accepts");
+    // The full loop: verification blocks on each engine, caches and features rolled back.
+    let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 64 };
+    for (i, prompt) in prompts[..2].iter().enumerate() {
+        for (j, ratio) in ratios.iter().enumerate() {
+            let mut rng = ChaCha20Rng::seed_from_u64(1);
+            let (want, want_rec) = speculative_turn(&t.model, stop, on_cpu[j].as_mut(), &cpu_heads[j], prompt, &cfg, &mut rng).unwrap();
+            let mut rng = ChaCha20Rng::seed_from_u64(1);
+            let (got, rec) = speculative_turn(&llama, stop, on_candle[j].as_mut(), &candle_heads[j], prompt, &cfg, &mut rng).unwrap();
+            assert_eq!((got, rec.without_timings()), (want, want_rec.without_timings()), "full loop, ratio {ratio} prompt {i}");
+        }
+    }
+}
+
+#[test]
+fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
+    // The loop feeds every slot's EAGLE draft in one forward of the head's layer, each at its own positions of its
+    // own cache (a slot of the head's pool): each draft's head input must be what it gets fed alone (EAGLE-1 and
+    // EAGLE-3, catching up on prompts of different lengths, then two drafted tokens), and greedy turns of three slots
+    // at once stay the target's own output.
+    use frspec::engine::candle::DeviceHead;
+    use frspec::speculative::decode::{speculative_turns, TurnJob, Turns};
+    struct Queue<'h> {
+        jobs: std::collections::VecDeque<TurnJob<'h, DeviceHead>>,
+        done: Vec<(usize, Vec<u32>)>,
+    }
+    impl<'h> Turns<'h, DeviceHead> for Queue<'h> {
+        fn next(&mut self) -> anyhow::Result<Option<TurnJob<'h, DeviceHead>>> {
+            Ok(self.jobs.pop_front())
+        }
+        fn finished(&mut self, id: usize, tokens: Vec<u32>, _: TurnRecord) -> anyhow::Result<()> {
+            self.done.push((id, tokens));
+            Ok(())
+        }
+    }
+    exact_activations();
+    let t = smollm2();
+    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let prompts = mt_bench_prompts(3);
+    let rows = |t: frspec::engine::candle::DeviceRow| t.tensor().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (kind, head) in [(DraftKind::Eagle, frspec::spec::SMOLLM2_HEAD), (DraftKind::Eagle3, frspec::spec::SMOLLM2_EAGLE3_HEAD)] {
+        let weights = DraftWeights::from_engine(&frspec::engine::cpu::draft::load(&kind, Some(head), t, "smollm2").unwrap(), &llama).unwrap();
+        let mut drafts: Vec<_> = prompts.iter().map(|_| weights.instance(&llama)).collect();
+        fed_alone_and_together(&llama, &mut drafts, rows, |i, step, got, want| {
+            let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(got.len() == want.len() && diff < 1e-4, "{kind}: draft {i} at position {step} differs by {diff}");
+        });
+        let mut slots: Vec<&mut dyn Draft<Llama>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
+        let head = DraftHead::new(slots[0].lm_head(), None, HeadMode::Slice).unwrap();
+        let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 48 };
+        let jobs = prompts.iter().enumerate().map(|(id, p)| TurnJob { id, prompt: p.clone(), head: &head, rng: Box::new(ChaCha20Rng::seed_from_u64(0)) }).collect();
+        let mut queue = Queue { jobs, done: Vec::new() };
+        speculative_turns(&llama, &t.tokenizer.stop_ids, &mut slots, &cfg, &mut queue).unwrap();
+        queue.done.sort();
+        for ((id, got), prompt) in queue.done.iter().zip(&prompts) {
+            let want = generate(&t.model, &t.tokenizer.stop_ids, prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
+            assert_eq!(got, &want, "{kind}: turn {id} of three side by side");
+        }
+    }
+}
+
+#[test]
+fn the_candle_engine_gives_the_cpu_engines_t0_records_batched_or_not() {
+    exact_activations();
+    let t = smollm2();
+    let questions = frspec::text::dataset::load("mt-bench").unwrap()[..3].to_vec();
+    let plan = Plan { ratios: vec![0.0, 0.9], temperatures: vec![0.0], top_p: 1.0, repeats: 2, seed: 0, k: 4, turns: 1, max_new_tokens: 128, mode: DraftMode::Argmax };
+    let load = || frspec::engine::cpu::draft::load(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap();
+    let sorted = |mut runs: Vec<Run>| {
+        runs.sort_by(|a, b| (a.ratio, a.prompt_index, a.repeat).partial_cmp(&(b.ratio, b.prompt_index, b.repeat)).unwrap());
+        runs
+    };
+    let want = sorted(batched_sweep(&t.model, vec![load().boxed()], &questions, &plan));
+    assert!(want.iter().filter(|r| r.record.accepted > 0).count() > want.len() / 2);
+    // The candle engine on the CPU in f32: at T = 0 its records are the CPU engine's, batched or not.
+    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+    let weights = DraftWeights::from_engine(&load(), &llama).unwrap();
+    for batch in [1, 8] {
+        let runs = sorted(batched_sweep(&llama, (0..batch).map(|_| weights.instance(&llama)).collect(), &questions, &plan));
+        assert_eq!(runs, want, "candle engine, batch {batch}: T = 0 records");
     }
 }

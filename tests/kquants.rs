@@ -148,8 +148,8 @@ fn scored(model: &Path, tokens_file: &Path, activations: &str) -> Vec<(u64, f64)
 
 #[test]
 fn a_model_of_k_quants_only_scores_like_its_dequantized_twin() {
-    // The parent's environment must not choose the in-process mode.
-    assert!(std::env::var_os("FRSPEC_ACTIVATIONS").is_none(), "unset FRSPEC_ACTIVATIONS to run this test");
+    // In process, K-quant rows take Q8_K activations and SmolLM2's Q4_1 rows exact ones (the reference below).
+    frspec::engine::cpu::tensor::Activations::set(frspec::engine::cpu::tensor::Activations::KQuants).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let tokens = tokens();
     let n = tokens.len() - 1;
@@ -181,10 +181,10 @@ fn a_model_of_k_quants_only_scores_like_its_dequantized_twin() {
     assert!(agree as f64 >= 0.99 * n as f64, "f32 activations: top-1 agrees at {agree} of {n} positions");
     assert!(worst < 1e-3, "f32 activations: log-probabilities differ by up to {worst}");
 
-    // Default: Q8_K activations and integer sums, as llama.cpp. Rounding activations to 8 bits moves these logits
-    // as far as it moves llama.cpp's: on llama.cpp's own Q4_K_M of this model, along these tokens, llama.cpp agrees
-    // with the f32 twin at 360 of 399 positions, mean |Δlogit| 0.44 (results/numerics/kquants.md). A wrong
-    // scale, offset or layout lands far outside these bounds.
+    // Q8_K activations and integer sums, as llama.cpp (kquants, and the default q8 alike). Rounding activations to
+    // 8 bits moves these logits as far as it moves llama.cpp's: on llama.cpp's own Q4_K_M of this model, along these
+    // tokens, llama.cpp agrees with the f32 twin at 360 of 399 positions, mean |Δlogit| 0.44
+    // (results/numerics/kquants.md). A wrong scale, offset or layout lands far outside these bounds.
     let k = frspec::score::score(&k_model, &tokens).unwrap();
     let (agree, worst, mean) = compare(&k, &twin);
     println!("K-quants, Q8_K activations: top-1 agreement {agree}/{n}, logit difference largest {worst:.2e}, mean {mean:.3}");

@@ -1,64 +1,26 @@
 //! The speculative core on both engines: lossless greedy decoding on the real SmolLM2 target with a truncated draft
 //! and an EAGLE-1 head at every ratio and k; the sampling distribution on a small synthetic model (χ² tests that
 //! pass for the real verifier on the CPU and candle engines and fail for samples from the draft); slice == mask;
-//! determinism; the candle engine's records equal the CPU engine's (SmolLM2 with the shipped head, EAGLE-3).
+//! determinism; batches; EAGLE-3 on both engines. In the default activations (the CPU engine's comparisons with the
+//! candle engine on SmolLM2, which need exact ones, are in backend.rs).
 
 mod common;
-use common::asset;
-use frspec::text::chat::Message;
+use common::smollm2::{batched_sweep, fed_alone_and_together, keep, mt_bench_prompts, smollm2};
 use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
 use frspec::engine::cpu::draft::{build, EagleDraft, ModelDraft};
 use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode, TargetModel};
 use frspec::speculative::generate::{generate, StopReason};
-use frspec::sweep::{Engine, Plan, Run, UnitKey};
+use frspec::sweep::{Plan, Run};
 use frspec::engine::candle::draft::DraftWeights;
 use frspec::engine::candle::llama::Llama;
 use frspec::engine::cpu::draft::Loaded;
 use frspec::engine::cpu::model::Model;
 use frspec::sampling::Sampling;
 use frspec::synthetic::{self, Shape};
-use frspec::loading::target::Target;
-use frspec::vocab::{corpus_lines, count_tokens, CorpusFormat, Frequencies, KeepRule, KeepSet};
+use frspec::vocab::{Frequencies, KeepRule, KeepSet};
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
-use std::sync::OnceLock;
-
-fn smollm2() -> &'static Target {
-    static T: OnceLock<Target> = OnceLock::new();
-    T.get_or_init(|| Target::load("smollm2").unwrap_or_else(|e| panic!("{e:#}")))
-}
-
-/// SmolLM2 token frequencies over part of the Brown corpus (enough for a realistic ranking).
-fn brown_frequencies() -> &'static Frequencies {
-    static F: OnceLock<Frequencies> = OnceLock::new();
-    F.get_or_init(|| {
-        let t = smollm2();
-        let mut files: Vec<_> = std::fs::read_dir(asset("brown")).unwrap().map(|e| e.unwrap().path()).collect();
-        files.retain(|p| p.file_name().unwrap().to_str().unwrap().starts_with('c'));
-        files.sort();
-        let lines: Vec<String> = files[..40].iter().flat_map(|f| corpus_lines(f, CorpusFormat::Tagged).unwrap()).collect();
-        Frequencies::from_counts(&count_tokens(&t.tokenizer, &lines, t.model.config.vocab).unwrap(), &asset("brown"))
-    })
-}
-
-fn keep(ratio: f64) -> Option<KeepSet> {
-    let t = smollm2();
-    (ratio > 0.0).then(|| brown_frequencies().keep_set(KeepRule::Ratio(ratio), t.model.config.vocab, &t.tokenizer.stop_ids).unwrap())
-}
-
-fn mt_bench_prompts(n: usize) -> Vec<Vec<u32>> {
-    let t = smollm2();
-    std::fs::read_to_string(asset("mt-bench"))
-        .unwrap()
-        .lines()
-        .take(n)
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            t.tokenizer.chat_prompt(&[Message::new("user", v["turns"][0].as_str().unwrap())]).unwrap()
-        })
-        .collect()
-}
 
 fn smollm2_shape() -> Shape {
     let c = &smollm2().model.config;
@@ -390,45 +352,6 @@ fn eagle3_checkpoint_with_yuhuilis_key_names_drafts_losslessly_through_its_draft
     }
 }
 
-#[test]
-fn the_candle_engine_gives_the_cpu_engines_records_with_the_shipped_eagle_head() {
-    let t = smollm2();
-    let load = || frspec::engine::cpu::draft::load(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap();
-    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
-    let weights = DraftWeights::from_engine(&load(), &llama).unwrap();
-    let ratios = [0.0, 0.5, 0.9];
-    let mut on_cpu: Vec<Box<dyn Draft<Model>>> = ratios.iter().map(|_| load().boxed()).collect();
-    let mut on_candle: Vec<Box<dyn Draft<Llama> + '_>> = ratios.iter().map(|_| weights.instance(&llama)).collect();
-    let cpu_heads: Vec<_> = on_cpu.iter().zip(ratios).map(|(d, r)| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
-    let candle_heads: Vec<_> = on_candle.iter().zip(ratios).map(|(d, r)| DraftHead::new(d.lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
-    let (prompts, stop) = (mt_bench_prompts(10), &t.tokenizer.stop_ids);
-    let mut accepted = 0;
-    // The T = 0 path a sweep takes: the target's continuation once, every ratio's draft along it.
-    for k in [1, 4] {
-        for (i, prompt) in prompts.iter().enumerate() {
-            let (want, want_recs) = greedy_turns(&t.model, stop, on_cpu[0].as_mut(), &cpu_heads.iter().collect::<Vec<_>>(), prompt, k, 64).unwrap();
-            let (got, recs) = greedy_turns(&llama, stop, on_candle[0].as_mut(), &candle_heads.iter().collect::<Vec<_>>(), prompt, k, 64).unwrap();
-            assert_eq!(got, want, "k {k} prompt {i}: tokens");
-            for ((rec, want_rec), ratio) in recs.iter().zip(&want_recs).zip(ratios) {
-                assert_eq!(rec.without_timings(), want_rec.without_timings(), "ratio {ratio} k {k} prompt {i}: record");
-                accepted += rec.accepted;
-            }
-        }
-    }
-    assert!(accepted > 0, "the shipped head drafts tokens the target accepts");
-    // The full loop: verification blocks on each engine, caches and features rolled back.
-    let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 64 };
-    for (i, prompt) in prompts[..2].iter().enumerate() {
-        for (j, ratio) in ratios.iter().enumerate() {
-            let mut rng = ChaCha20Rng::seed_from_u64(1);
-            let (want, want_rec) = speculative_turn(&t.model, stop, on_cpu[j].as_mut(), &cpu_heads[j], prompt, &cfg, &mut rng).unwrap();
-            let mut rng = ChaCha20Rng::seed_from_u64(1);
-            let (got, rec) = speculative_turn(&llama, stop, on_candle[j].as_mut(), &candle_heads[j], prompt, &cfg, &mut rng).unwrap();
-            assert_eq!((got, rec.without_timings()), (want, want_rec.without_timings()), "full loop, ratio {ratio} prompt {i}");
-        }
-    }
-}
-
 /// frspec's target, EAGLE-1 and EAGLE-3 logits against an independent torch implementation
 /// (scripts/eagle_reference.py: HF transformers for the target, cnets1 / vLLM transcriptions for the heads).
 #[test]
@@ -537,22 +460,8 @@ fn a_draft_identical_to_the_target_is_always_accepted() {
 
 /// The sweep of `plan` over `questions` on one engine, `batch` sequences at a time, with the shipped EAGLE-1 head
 /// (one instance per slot) and a head per ratio; records without timings, in the order units finish.
-fn batched_sweep<'t, T: TargetModel>(target: &'t T, drafts: Vec<Box<dyn Draft<T> + 't>>, questions: &[frspec::text::dataset::Question], plan: &Plan) -> Vec<Run> {
-    let t = smollm2();
-    let heads: Vec<_> = plan.ratios.iter().map(|&r| DraftHead::new(drafts[0].lm_head(), keep(r), HeadMode::Slice).unwrap()).collect();
-    let mut drafts = drafts;
-    let mut engine = Engine { target, tokenizer: &t.tokenizer, drafts: &mut drafts, heads: &heads };
-    let mut runs = Vec::new();
-    frspec::sweep::run(&mut engine, questions, plan, &plan.units(questions.len()), &mut |_: UnitKey, unit: Vec<Run>| {
-        runs.extend(unit.into_iter().map(|r| Run { record: r.record.without_timings(), ..r }));
-        Ok(())
-    })
-    .unwrap();
-    runs
-}
-
 #[test]
-fn batched_sweeps_give_every_record_of_one_sequence_at_a_time_on_both_engines() {
+fn batched_sweeps_give_every_record_of_one_sequence_at_a_time() {
     let t = smollm2();
     // Questions 81–83: SmolLM2 ends some of its sampled answers to them before 128 tokens (which ones depends on
     // the kernels' rounding; the assertion below says so if a kernel change makes them all end alike).
@@ -573,62 +482,6 @@ fn batched_sweeps_give_every_record_of_one_sequence_at_a_time_on_both_engines() 
     };
     let one = sorted(one);
     assert_eq!(sorted(on_cpu(8)), one, "CPU engine: batch 8 vs 1");
-
-    // The candle engine on the CPU in f32: at T = 0 its records are the CPU engine's, batched or not.
-    let plan = Plan { temperatures: vec![0.0], ..plan };
-    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
-    let weights = DraftWeights::from_engine(&load(), &llama).unwrap();
-    let greedy = |runs: &[Run]| runs.iter().filter(|r| r.temperature == 0.0).cloned().collect::<Vec<_>>();
-    for batch in [1, 8] {
-        let runs = sorted(batched_sweep(&llama, (0..batch).map(|_| weights.instance(&llama)).collect(), &questions, &plan));
-        assert_eq!(greedy(&runs), greedy(&one), "candle engine, batch {batch}: T = 0 records");
-    }
-}
-
-#[test]
-fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
-    // The loop feeds every slot's EAGLE draft in one forward of the head's layer, each at its own positions of its
-    // own cache (a slot of the head's pool): each draft's head input must be what it gets fed alone (EAGLE-1 and
-    // EAGLE-3, catching up on prompts of different lengths, then two drafted tokens), and greedy turns of three slots
-    // at once stay the target's own output.
-    use frspec::engine::candle::DeviceHead;
-    use frspec::speculative::decode::{speculative_turns, TurnJob, Turns};
-    struct Queue<'h> {
-        jobs: std::collections::VecDeque<TurnJob<'h, DeviceHead>>,
-        done: Vec<(usize, Vec<u32>)>,
-    }
-    impl<'h> Turns<'h, DeviceHead> for Queue<'h> {
-        fn next(&mut self) -> anyhow::Result<Option<TurnJob<'h, DeviceHead>>> {
-            Ok(self.jobs.pop_front())
-        }
-        fn finished(&mut self, id: usize, tokens: Vec<u32>, _: TurnRecord) -> anyhow::Result<()> {
-            self.done.push((id, tokens));
-            Ok(())
-        }
-    }
-    let t = smollm2();
-    let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
-    let prompts = mt_bench_prompts(3);
-    let rows = |t: frspec::engine::candle::DeviceRow| t.tensor().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    for (kind, head) in [(DraftKind::Eagle, frspec::spec::SMOLLM2_HEAD), (DraftKind::Eagle3, frspec::spec::SMOLLM2_EAGLE3_HEAD)] {
-        let weights = DraftWeights::from_engine(&frspec::engine::cpu::draft::load(&kind, Some(head), t, "smollm2").unwrap(), &llama).unwrap();
-        let mut drafts: Vec<_> = prompts.iter().map(|_| weights.instance(&llama)).collect();
-        fed_alone_and_together(&llama, &mut drafts, rows, |i, step, got, want| {
-            let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-            assert!(got.len() == want.len() && diff < 1e-4, "{kind}: draft {i} at position {step} differs by {diff}");
-        });
-        let mut slots: Vec<&mut dyn Draft<Llama>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
-        let head = DraftHead::new(slots[0].lm_head(), None, HeadMode::Slice).unwrap();
-        let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::GREEDY, max_new_tokens: 48 };
-        let jobs = prompts.iter().enumerate().map(|(id, p)| TurnJob { id, prompt: p.clone(), head: &head, rng: Box::new(ChaCha20Rng::seed_from_u64(0)) }).collect();
-        let mut queue = Queue { jobs, done: Vec::new() };
-        speculative_turns(&llama, &t.tokenizer.stop_ids, &mut slots, &cfg, &mut queue).unwrap();
-        queue.done.sort();
-        for ((id, got), prompt) in queue.done.iter().zip(&prompts) {
-            let want = generate(&t.model, &t.tokenizer.stop_ids, prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
-            assert_eq!(got, &want, "{kind}: turn {id} of three side by side");
-        }
-    }
 }
 
 #[test]
@@ -643,47 +496,6 @@ fn cpu_drafts_fed_together_give_each_what_it_gets_alone_bit_for_bit() {
         fed_alone_and_together(&t.model, &mut drafts, |row| row, |i, step, got, want| {
             assert!(got == want, "{kind}: draft {i} at position {step} differs from its row fed alone");
         });
-    }
-}
-
-/// Feed the drafts (three) at four positions, each alone, then together through `feed_drafts`: catching up on
-/// prompts of different lengths, two drafted tokens for all, then a third for the first and the last only (on the
-/// candle engine their streams are then rows 0 and 2 of the previous position's outputs, gathered; consecutive ones
-/// are a view of them). `check(draft, position, row together, row alone)`, rows on the host (`rows`). The drafts are
-/// left reset and fed together.
-fn fed_alone_and_together<T: TargetModel>(target: &T, drafts: &mut [Box<dyn Draft<T> + '_>], rows: impl Fn(frspec::speculative::Row<T>) -> Vec<f32>, mut check: impl FnMut(usize, usize, Vec<f32>, &[f32])) {
-    use frspec::speculative::{Context, Feed};
-    let prompts = mt_bench_prompts(drafts.len());
-    let contexts: Vec<Vec<u32>> = prompts.iter().map(|p| [&p[..], &[42]].concat()).collect();
-    let layers = drafts[0].target_layers();
-    let features: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let mut f = target.new_features(&layers);
-            target.forward(p, &mut target.new_cache(), &[], Some(&mut f), &mut Vec::new()).unwrap();
-            f
-        })
-        .collect();
-    let everyone: [usize; 3] = [0, 1, 2];
-    let feeds: Vec<(&[usize], Vec<Feed<_>>)> = vec![
-        (&everyone, contexts.iter().zip(&features).map(|(c, f)| Feed::CatchUp(Context { tokens: c, features: f })).collect()),
-        (&everyone, vec![Feed::Extend(7); 3]),
-        (&everyone, vec![Feed::Extend(8); 3]),
-        (&[0, 2], vec![Feed::Extend(9); 2]),
-    ];
-    let alone: Vec<Vec<Option<Vec<f32>>>> = drafts
-        .iter_mut()
-        .enumerate()
-        .map(|(i, d)| feeds.iter().map(|(fed, step)| fed.iter().position(|&j| j == i).map(|at| rows(step[at].to(d.as_mut()).unwrap()))).collect())
-        .collect();
-    drafts.iter_mut().for_each(|d| d.reset());
-    let mut slots: Vec<&mut dyn Draft<T>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
-    for (step, (fed, feeds)) in feeds.iter().enumerate() {
-        let mut together = Vec::new();
-        target.feed_drafts(&mut slots, fed, feeds, &mut together).unwrap();
-        for (&i, row) in fed.iter().zip(together) {
-            check(i, step, rows(row), alone[i][step].as_ref().expect("fed alone too"));
-        }
     }
 }
 

@@ -87,6 +87,10 @@ pub fn decode(r: &Decode) -> Result<bool> {
             (candle::llama::Llama::random(&shape, &device, dt)?, None, tokens, "random".to_string())
         }
         None => {
+            if r.compare_engine {
+                // The candle engine multiplies exact activations; the CPU engine's tokens are its reference only so.
+                crate::engine::cpu::tensor::Activations::set(crate::engine::cpu::tensor::Activations::F32)?;
+            }
             let target = Target::load(r.model)?;
             let tokens = target.tokenizer.chat_prompt(&[Message::new("user", r.prompt)])?;
             let llama = candle::llama::Llama::from_engine(&target.model, &device, dt)?;

@@ -6,6 +6,8 @@ use frspec::synthetic::Shape;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+pub mod smollm2;
+
 pub type Weights = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// A fetched asset; a missing one fails the test with the command that fetches it.
@@ -100,4 +102,11 @@ pub fn reference_logits(w: &Weights, s: &Shape, tokens: &[u32]) -> Vec<Vec<f64>>
 /// The frspec binary built for these tests.
 pub fn frspec() -> std::process::Command {
     std::process::Command::new(env!("CARGO_BIN_EXE_frspec"))
+}
+
+/// Exact f32 activations for this test process, as the candle engine computes: a binary whose tests compare the two
+/// engines' records calls this first in every test, since the mode is chosen once per process, before any product.
+pub fn exact_activations() {
+    use frspec::engine::cpu::tensor::Activations;
+    Activations::set(Activations::F32).unwrap();
 }

@@ -5,7 +5,9 @@
 //! peak), so a verification block of 5 rows cost 1.96× one row and 8 such blocks together about what they cost apart
 //! (results/bench/f32-kernels-2026-12-01.md). Here one `vpdpbusd` (AVX-512 VNNI) multiplies four values of 16 weight
 //! rows by four of an activation row, exact in integers, and the conversion and scaling are paid once a block for 16
-//! rows (results/bench/q8-activations-2026-12-02.md: ≈ 2× the f32 path's speed for 5 to 40 rows).
+//! rows (results/bench/q8-activations-2026-12-02.md: ≈ 2× the f32 path's speed for 5 to 40 rows); without VNNI, AVX2
+//! does the same for 8 rows with byte and word multiply-adds (results/bench/q8-default-2026-12-02.md: ≈ 2× AVX2's
+//! f32 path). This is the default mode.
 //!
 //! Each activation row is quantized on its own and its products take the same operations whatever rows run beside
 //! it, so a block of rows still equals its rows one by one, bit for bit (greedy losslessness does not depend on
@@ -150,39 +152,42 @@ pub fn dots_rows_scalar<const N: usize, B: IntBlock>(w: &[B], nb: usize, a: &Q8V
     }
 }
 
+/// How a block type's bytes are laid out, for gathering the same block of several rows into vectors.
+#[cfg(target_arch = "x86_64")]
+pub trait VectorBlock: IntBlock {
+    /// Where the 16-bit d is (Q4_1's m follows it).
+    const HEADER: usize = 0;
+    /// Where the values start.
+    const VALUES: usize;
+    /// Whether values are nibbles (element l < 16 low, l ≥ 16 high, of byte l % 16), else signed bytes.
+    const NIBBLES: bool;
+    /// Whether the offset is the f16 after d (Q4_1), else `IntBlock::OFFSET_TIMES_D` · d.
+    const OWN_OFFSET: bool = false;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl VectorBlock for BlockQ4_0 {
+    const VALUES: usize = 2;
+    const NIBBLES: bool = true;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl VectorBlock for BlockQ4_1 {
+    const VALUES: usize = 4;
+    const NIBBLES: bool = true;
+    const OWN_OFFSET: bool = true;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl VectorBlock for BlockQ8_0 {
+    const VALUES: usize = 2;
+    const NIBBLES: bool = false;
+}
+
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
-    use super::{IntBlock, Q8View, QK};
-    use crate::engine::cpu::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0};
+    use super::{Q8View, VectorBlock, QK};
     use std::arch::x86_64::*;
-
-    /// How a block type's bytes are laid out, for gathering the same block of 16 rows into vectors.
-    pub trait VectorBlock: IntBlock {
-        /// Where the 16-bit d is (Q4_1's m follows it).
-        const HEADER: usize = 0;
-        /// Where the values start.
-        const VALUES: usize;
-        /// Whether values are nibbles (element l < 16 low, l ≥ 16 high, of byte l % 16), else signed bytes.
-        const NIBBLES: bool;
-        /// Whether the offset is the f16 after d (Q4_1), else `IntBlock::OFFSET_TIMES_D` · d.
-        const OWN_OFFSET: bool = false;
-    }
-
-    impl VectorBlock for BlockQ4_0 {
-        const VALUES: usize = 2;
-        const NIBBLES: bool = true;
-    }
-
-    impl VectorBlock for BlockQ4_1 {
-        const VALUES: usize = 4;
-        const NIBBLES: bool = true;
-        const OWN_OFFSET: bool = true;
-    }
-
-    impl VectorBlock for BlockQ8_0 {
-        const VALUES: usize = 2;
-        const NIBBLES: bool = false;
-    }
 
     /// Weight rows times N activation rows, as `dots_rows_scalar` and to its bits: 16 weight rows at a time, one
     /// per lane. For each block, four bytes of each row are gathered into one vector (the same four values of 16
@@ -247,5 +252,100 @@ pub mod avx512 {
                 }
             }
         }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::{Q8View, VectorBlock, QK};
+    use std::arch::x86_64::*;
+
+    /// `avx512::dots_rows` for CPUs without AVX-512 VNNI, to the same bits: 8 weight rows at a time, one per lane.
+    /// Without `vpdpbusd` the same four bytes of 8 rows meet four activation bytes through `vpmaddubsw` (unsigned ×
+    /// signed bytes into pairs of i16) and `vpmaddwd` (pairs into i32). A nibble pair is at most 2 · 15 · 127, so the 8
+    /// pairs of a block sum in i16 before one `vpmaddwd`; Q8_0's unsigned bytes (up to 255) could overflow a pair, so
+    /// they are split into even and odd bytes as i16 and multiplied by `vpmaddwd` directly. Either way each lane gets
+    /// the block's exact sum, then the same conversion and multiply-adds as every other kernel.
+    ///
+    /// # Safety
+    /// On a CPU with avx2, fma and f16c; `w` is whole rows of `nb` blocks, `a` holds N rows of `nb` blocks and `out`
+    /// reaches row r's `r · stride + N`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+        let rows = w.len() / nb;
+        let size = std::mem::size_of::<B>();
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let index = _mm256_mullo_epi32(lane, _mm256_set1_epi32((nb * size) as i32));
+        let (low4, low_bytes, flip, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(0xff), _mm256_set1_epi8(-128), _mm256_set1_epi16(1));
+        let zero = _mm256_setzero_si256();
+        for first in (0..rows).step_by(8) {
+            let lanes = (rows - first).min(8);
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes as i32), lane);
+            let group = w.as_ptr().add(first * nb) as *const u8;
+            let gather = |at: *const u8| _mm256_mask_i32gather_epi32::<1>(zero, at as *const i32, index, mask);
+            let mut acc = [_mm256_setzero_ps(); N];
+            for b in 0..nb {
+                let block = group.add(b * size);
+                let header = gather(block.add(B::HEADER));
+                let d = half_of(header, zero);
+                let offset = if B::OWN_OFFSET {
+                    half_of(_mm256_srli_epi32::<16>(header), zero)
+                } else {
+                    _mm256_mul_ps(d, _mm256_set1_ps(B::OFFSET_TIMES_D))
+                };
+                // values[t]: elements 4t .. 4t + 4 of each row's block, as unsigned bytes.
+                let mut values = [zero; 8];
+                if B::NIBBLES {
+                    for u in 0..4 {
+                        let v = gather(block.add(B::VALUES + 4 * u));
+                        values[u] = _mm256_and_si256(v, low4);
+                        values[u + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
+                    }
+                } else {
+                    for (t, v) in values.iter_mut().enumerate() {
+                        *v = _mm256_xor_si256(gather(block.add(B::VALUES + 4 * t)), flip);
+                    }
+                }
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let qa = a.qs.as_ptr().add((j * nb + b) * QK);
+                    let s = if B::NIBBLES {
+                        let mut pairs = zero;
+                        for (t, v) in values.iter().enumerate() {
+                            let four = std::ptr::read_unaligned(qa.add(4 * t) as *const i32);
+                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(*v, _mm256_set1_epi32(four)));
+                        }
+                        _mm256_madd_epi16(pairs, ones)
+                    } else {
+                        let mut s = zero;
+                        for (t, v) in values.iter().enumerate() {
+                            let q = |l: usize| *qa.add(4 * t + l) as i16 as u16 as i32;
+                            let (even, odd) = (q(0) | q(2) << 16, q(1) | q(3) << 16);
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(*v, low_bytes), _mm256_set1_epi32(even)));
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16::<8>(*v), _mm256_set1_epi32(odd)));
+                        }
+                        s
+                    };
+                    let scale = _mm256_mul_ps(d, _mm256_set1_ps(*a.d.get_unchecked(j * nb + b)));
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *acc);
+                    *acc = _mm256_fmadd_ps(offset, _mm256_set1_ps(*a.sums.get_unchecked(j * nb + b)), *acc);
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                let mut lanes_out = [0f32; 8];
+                _mm256_storeu_ps(lanes_out.as_mut_ptr(), *acc);
+                for (r, v) in lanes_out.iter().enumerate().take(lanes) {
+                    *out.get_unchecked_mut((first + r) * stride + j) = *v;
+                }
+            }
+        }
+    }
+
+    /// The f16 in the low half of each 32-bit lane, as f32. AVX2 has no 32-to-16-bit narrowing: the halves are
+    /// packed (`vpackusdw`, exact for values below 2^16) and the two 128-bit lanes' results brought together.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn half_of(v: __m256i, zero: __m256i) -> __m256 {
+        let packed = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), zero);
+        _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed)))
     }
 }

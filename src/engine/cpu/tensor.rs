@@ -444,10 +444,12 @@ pub struct MatmulScratch {
 
 /// Which quantized rows meet activations quantized to 8 bits (integer products, as llama.cpp computes them), chosen
 /// once per process: `FRSPEC_ACTIVATIONS=f32|kquants|q8`, or `sweep --activations` (which records it).
-/// - `KQuants` (the default): K-quant rows take Q8_K activations and integer sums, ≈ 4× the speed of f32 there,
-///   llama.cpp's speed and accuracy (`results/bench/decode-vs-llamacpp-*.Q4_K_M.md`, `results/numerics/kquants.md`);
-///   every other row multiplies exact f32 activations.
-/// - `Q8`: Q4_0, Q4_1 and Q8_0 rows too, with activations in blocks of 32 (`q8`): llama.cpp's arithmetic for them.
+/// - `Q8` (the default): every quantized row. Q4_0, Q4_1 and Q8_0 rows take activations in blocks of 32 (`q8`),
+///   K-quant rows Q8_K activations: llama.cpp's arithmetic for each, ≈ 2× the speed of f32 activations with AVX-512
+///   VNNI or AVX2 (`results/bench/q8-activations-2026-12-02.md`, `results/bench/q8-default-2026-12-02.md`).
+/// - `KQuants`: K-quant rows only, ≈ 4× the speed of f32 there, llama.cpp's speed and accuracy
+///   (`results/bench/decode-vs-llamacpp-*.Q4_K_M.md`, `results/numerics/kquants.md`); every other row multiplies
+///   exact f32 activations. The default until 2026-12-02: a sweep folder that does not name its activations used it.
 /// - `F32`: every product with exact activations: logits follow an f32 reference of the dequantized weights to 1e-4
 ///   (what the candle engine computes, so its records compare with these).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
@@ -462,7 +464,7 @@ pub enum Activations {
 static ACTIVATIONS: std::sync::OnceLock<Activations> = std::sync::OnceLock::new();
 
 impl Activations {
-    /// The process's mode: what `set` chose, else `FRSPEC_ACTIVATIONS`, else `KQuants`. Fixed at the first call.
+    /// The process's mode: what `set` chose, else `FRSPEC_ACTIVATIONS`, else the default. Fixed at the first call.
     pub fn get() -> Activations {
         *ACTIVATIONS.get_or_init(Activations::from_env)
     }
@@ -490,11 +492,16 @@ impl Activations {
     }
 
     pub fn default_mode() -> Activations {
+        Activations::Q8
+    }
+
+    /// The mode of sweep folders whose settings do not name one (made before the field existed): they leave it out.
+    pub fn unnamed() -> Activations {
         Activations::KQuants
     }
 
-    pub fn is_default(&self) -> bool {
-        *self == Activations::default_mode()
+    pub fn is_unnamed(&self) -> bool {
+        *self == Activations::unnamed()
     }
 
     pub fn name(self) -> &'static str {
@@ -668,15 +675,20 @@ fn quantize_q8_32(kernel: Kernel, x: &[f32], out: &mut Q8Rows) {
 }
 
 /// Rows of blocks of 32 (`w`: whole rows of `nb` blocks) times N activation rows in blocks of 32 (`a`): row r's N
-/// products go to `out[r · stride..][..N]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it, else the scalar
-/// reference: the same bits either way (`q8::dot_row`), but a CPU without VNNI is better served by `kquants`.
+/// products go to `out[r · stride..][..N]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it, else AVX2's byte and
+/// word multiply-adds, else the scalar reference: the same bits on every kernel (`q8::dot_row`).
 fn dots_q8_rows<const N: usize, B: Q8Block>(kernel: Kernel, w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512 && has_vnni() {
+    if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
         assert!(w.len() / nb <= 1 + (out.len().saturating_sub(N)) / stride && a.qs.len() >= N * nb * QK && a.d.len() >= N * nb && a.sums.len() >= N * nb);
-        // SAFETY: Kernel::Avx512 means avx512f/bw/vl, avx2, fma and f16c; has_vnni() checked avx512vnni; the bounds
-        // are checked above.
-        return unsafe { q8::avx512::dots_rows::<N, B>(w, nb, a, out, stride) };
+        // SAFETY: Kernel::Avx512 means avx512f/bw/vl, avx2, fma and f16c, and has_vnni() checked avx512vnni;
+        // Kernel::Avx2 means avx2, fma and f16c. The bounds are checked above.
+        return unsafe {
+            match kernel {
+                Kernel::Avx512 if has_vnni() => q8::avx512::dots_rows::<N, B>(w, nb, a, out, stride),
+                _ => q8::avx2::dots_rows::<N, B>(w, nb, a, out, stride),
+            }
+        };
     }
     let _ = kernel;
     q8::dots_rows_scalar::<N, B>(w, nb, a, out, stride)
@@ -691,9 +703,9 @@ fn has_vnni() -> bool {
 
 /// A block of 32 with its integer products where the architecture has them.
 #[cfg(target_arch = "x86_64")]
-trait Q8Block: q8::avx512::VectorBlock {}
+trait Q8Block: q8::VectorBlock {}
 #[cfg(target_arch = "x86_64")]
-impl<B: q8::avx512::VectorBlock> Q8Block for B {}
+impl<B: q8::VectorBlock> Q8Block for B {}
 #[cfg(not(target_arch = "x86_64"))]
 trait Q8Block: q8::IntBlock {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -1412,8 +1424,8 @@ mod tests {
         }
     }
 
-    /// Integer products of blocks of 32 follow one arithmetic (`q8::dot_row`): the vector kernel's 16 rows a lane,
-    /// masked lanes for the last rows included, give the scalar reference's bits.
+    /// Integer products of blocks of 32 follow one arithmetic (`q8::dot_row`): the vector kernels' rows a lane (16 with
+    /// AVX-512 VNNI, 8 with AVX2), masked lanes for the last rows included, give the scalar reference's bits.
     #[test]
     fn integer_products_of_blocks_of_32_give_the_same_bits_on_every_kernel() {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
