@@ -5,6 +5,7 @@ use super::{HeadRows, Row, TargetModel};
 use crate::sampling::{argmax, draw, Sampling};
 use crate::vocab::KeepSet;
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 use std::sync::Arc;
 
 /// How a pruned head computes its logits. Both give the same distribution and, for the same random stream, the
@@ -230,16 +231,27 @@ impl<M: HeadRows> Chooser<M> {
 
     /// Draw the next draft token from the head's logits (in `self.logits`) and record it with q.
     fn push_draw(&mut self, head: &DraftHead<M>, sampling: Sampling, rng: &mut dyn rand::Rng, out: &mut Proposal) {
-        let step = out.tokens.len();
-        if out.q.len() <= step {
-            out.q.resize_with(step + 1, Vec::new);
-        }
-        let q = &mut out.q[step];
-        sampling.distribution(&self.logits, q, &mut self.order);
-        let index = draw(q, rng) as usize;
-        out.tokens.push(head.id(index));
-        out.q_token.push(q[index]);
+        sampling.distribution(&self.logits, next_q(out), &mut self.order);
+        push_drawn(head, rng, out);
     }
+}
+
+/// Where the next step's q goes in `out`.
+fn next_q(out: &mut Proposal) -> &mut Vec<f32> {
+    let step = out.tokens.len();
+    if out.q.len() <= step {
+        out.q.resize_with(step + 1, Vec::new);
+    }
+    &mut out.q[step]
+}
+
+/// Draw the next draft token from its q (already in `next_q(out)`) and record it.
+fn push_drawn<M: HeadRows>(head: &DraftHead<M>, rng: &mut dyn rand::Rng, out: &mut Proposal) {
+    let q = &out.q[out.tokens.len()];
+    let index = draw(q, rng) as usize;
+    let q_token = q[index];
+    out.tokens.push(head.id(index));
+    out.q_token.push(q_token);
 }
 
 /// Whether drafts are the head's argmax (a point mass) rather than draws from its distribution.
@@ -308,12 +320,24 @@ pub fn choose_many<M: HeadRows>(
             }
         }
     }
-    for c in choices.iter_mut() {
-        if argmax_only {
+    if argmax_only {
+        for c in choices.iter_mut() {
             push_argmax(c.head, argmax(&c.chooser.logits) as usize, c.out);
-        } else {
-            c.chooser.push_draw(c.head, sampling, c.rng, c.out);
         }
+        return Ok(());
+    }
+    // The distributions side by side on rayon's threads, each as it is alone (with a batch of sampled sequences they
+    // ran on one core while the engine's threads waited), then the draws in order, each from its own stream.
+    let mut distributions: Vec<(&[f32], &mut Vec<u32>, &mut Vec<f32>)> = choices
+        .iter_mut()
+        .map(|c| {
+            let chooser = &mut *c.chooser;
+            (&chooser.logits[..], &mut chooser.order, next_q(c.out))
+        })
+        .collect();
+    distributions.par_iter_mut().for_each(|(logits, order, q)| sampling.distribution(logits, q, order));
+    for c in choices.iter_mut() {
+        push_drawn(c.head, c.rng, c.out);
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 
 use crate::sampling::{draw_with, Sampling};
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 /// One draw: from the distribution of `row` under the loop's sampling, less `without` (then renormalised), with the
 /// uniform number `u` in [0, 1).
@@ -72,11 +73,29 @@ fn row_of(rows: &[f32], vocab: usize, row: usize) -> Result<&[f32]> {
 }
 
 impl LogitRows for HostLogits {
+    /// The distributions are computed side by side on rayon's threads, each pick's as it is alone: with a batch of
+    /// sampled sequences these (k a sequence a step, each over the whole vocabulary) ran on one core while the
+    /// engine's threads waited for the next forward.
     fn probabilities(&mut self, sampling: Sampling, picks: &[(usize, u32)], out: &mut Vec<f32>) -> Result<()> {
-        out.clear();
-        for &(row, token) in picks {
-            self.distribution(sampling, row)?;
-            out.push(self.p[token as usize]);
+        thread_local! {
+            static BUFFERS: std::cell::RefCell<(Vec<f32>, Vec<u32>)> = std::cell::RefCell::default();
+        }
+        for &(row, _) in picks {
+            row_of(&self.rows, self.vocab, row)?;
+        }
+        let (rows, vocab) = (&self.rows, self.vocab);
+        let probability = |&(row, token): &(usize, u32)| {
+            BUFFERS.with_borrow_mut(|(p, order)| {
+                sampling.distribution(&rows[row * vocab..(row + 1) * vocab], p, order);
+                p[token as usize]
+            })
+        };
+        match sampling.is_greedy() || picks.len() < 2 {
+            true => {
+                out.clear();
+                out.extend(picks.iter().map(probability));
+            }
+            false => picks.par_iter().map(probability).collect_into_vec(out),
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 //! computed with the same arithmetic whether it arrives alone or in a block, so speculative verification of k+1
 //! tokens reproduces k+1 single-token steps bit for bit (tested).
 
-use crate::engine::cpu::tensor::{dot, Matrix, MatmulScratch};
+use crate::engine::cpu::tensor::{dot, pool, Matrix, MatmulScratch};
 use crate::loading::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
@@ -202,7 +202,7 @@ impl Geometry {
         let products = segments.iter().map(|&(_, start, _, rows)| rows * start + rows * (rows + 1) / 2).sum::<usize>() * self.heads * d;
         match products < 1 << 16 {
             true => out.chunks_mut(d).enumerate().for_each(task),
-            false => crate::engine::cpu::tensor::pool().install(|| out.par_chunks_mut(d).enumerate().for_each(task)),
+            false => pool().install(|| out.par_chunks_mut(d).enumerate().for_each(task)),
         }
     }
 }
@@ -260,7 +260,7 @@ impl Layer {
 
         rms_norm(x, &self.ffn_norm, g.rms_eps, &mut w.normed);
         Linear::forward_many(&w.normed, [(&self.gate, &mut w.gate[..]), (&self.up, &mut w.up[..])], &mut w.matmul.0);
-        w.gate.iter_mut().zip(&w.up).for_each(|(a, u)| *a = silu(*a) * u);
+        gate_in_place(&mut w.gate, &w.up);
         self.down.forward(&w.gate, &mut w.proj, &mut w.matmul.0);
         x.iter_mut().zip(&w.proj).for_each(|(x, p)| *x += p);
     }
@@ -613,6 +613,17 @@ pub fn load_layer(src: &dyn WeightSource, c: &Config, prefix: &str, input_norm: 
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// `gate ← silu(gate) · up`, on the pool when there is enough of it: the exponentials of a batch of verification
+/// blocks (40 rows × 1,536 a layer for SmolLM2) ran on one core while the other waited for the next product.
+fn gate_in_place(gate: &mut [f32], up: &[f32]) {
+    const CHUNK: usize = 2048;
+    let apply = |(gate, up): (&mut [f32], &[f32])| gate.iter_mut().zip(up).for_each(|(a, u)| *a = silu(*a) * u);
+    match gate.len() < 2 * CHUNK {
+        true => apply((gate, up)),
+        false => pool().install(|| gate.par_chunks_mut(CHUNK).zip(up.par_chunks(CHUNK)).for_each(apply)),
+    }
 }
 
 /// RMSNorm of each `[hidden]` row; the mean square is accumulated in f64 so row length does not cost accuracy.

@@ -218,24 +218,37 @@ impl Matrix {
             quantize_q8_32(kernel, x, &mut scratch.q8_32);
         }
         let (q8, q8_32) = (&scratch.q8, &scratch.q8_32);
-        // The matrices' rows, stacked, are split into chunks, one task each; the result is written row-major
-        // [rows, n] then transposed, so each task owns a contiguous slice of the output. A chunk may cover the end
-        // of one matrix and the start of the next.
+        // The matrices' rows, stacked, are split into chunks, one task each. A task computes its rows row-major
+        // ([rows, n], its own slice of `transposed`) and then writes them, transposed, into the outputs, one
+        // activation row's run at a time (so the writes go in order); done after the parallel region, the transposes
+        // kept one core busy while the other waited. A chunk may cover the end of one matrix and the start of the next.
         let rows: usize = products.iter().map(|(m, _)| m.rows).sum();
         let rows_per_task = (rows / (4 * pool().current_num_threads())).clamp(16, 1024);
         let t = &mut scratch.transposed;
         t.resize(rows * n, 0.0);
-        let matrices = || products.iter().scan(0, |start, (m, _)| {
+        let outs = &mut scratch.outputs;
+        outs.clear();
+        outs.extend(products.iter_mut().map(|(_, out)| Output(out.as_mut_ptr())));
+        let matrices = || products.iter().zip(outs.iter()).scan(0, |start, ((m, _), out)| {
             *start += m.rows;
-            Some((*start - m.rows, &**m))
+            Some((*start - m.rows, &**m, *out))
         });
         let task = |(task, chunk): (usize, &mut [f32])| {
             let first = task * rows_per_task;
             let end = first + chunk.len() / n;
-            for (start, m) in matrices() {
+            for (start, m, out) in matrices() {
                 let (from, to) = (first.max(start), end.min(start + m.rows));
                 if from < to {
-                    m.rows_into(kernel, from - start..to - start, x, q8, q8_32, &mut chunk[(from - first) * n..(to - first) * n]);
+                    let results = &mut chunk[(from - first) * n..(to - first) * n];
+                    m.rows_into(kernel, from - start..to - start, x, q8, q8_32, results);
+                    for b in 0..n {
+                        for (r, row) in (from - start..to - start).zip(results.chunks_exact(n)) {
+                            // SAFETY: `out` is this product's output, [n, m.rows], borrowed mutably by `products` for
+                            // the whole call and touched by nothing else until the tasks end; element (b, r) is
+                            // written only by the task whose rows hold r.
+                            unsafe { *out.0.add(b * m.rows + r) = row[b] };
+                        }
+                    }
                 }
             }
         };
@@ -245,21 +258,7 @@ impl Matrix {
         } else {
             pool().install(|| t.par_chunks_mut(rows_per_task * n).enumerate().for_each(task));
         }
-        // Transposed a run of weight rows at a time, so that the writes go in order and the run's results stay in
-        // cache (row by row, each write went to another activation row's line: a twelfth of a sampled sweep).
-        let mut first = 0;
-        for (m, out) in products.iter_mut() {
-            let t = &t[first * n..(first + m.rows) * n];
-            for start in (0..m.rows).step_by(TRANSPOSE_RUN) {
-                let end = (start + TRANSPOSE_RUN).min(m.rows);
-                for (b, out) in out.chunks_exact_mut(m.rows).enumerate() {
-                    for (o, row) in out[start..end].iter_mut().zip(t[start * n..end * n].chunks_exact(n)) {
-                        *o = row[b];
-                    }
-                }
-            }
-            first += m.rows;
-        }
+        outs.clear();
     }
 
     /// Weight rows `rows` times every activation row, row-major into `out` ([rows, n]). A tile of weight rows meets
@@ -363,9 +362,6 @@ impl Matrix {
     }
 }
 
-/// Weight rows whose products are transposed together (with 40 activation rows, 40 KiB of results).
-const TRANSPOSE_RUN: usize = 256;
-
 /// Products smaller than this many multiply-adds run on the calling thread.
 const PARALLEL_MIN_MACS: usize = 1 << 16;
 
@@ -440,7 +436,18 @@ pub struct MatmulScratch {
     q8: Vec<BlockQ8K>,
     q8_32: Q8Rows,
     transposed: Vec<f32>,
+    /// Each product's output, while the tasks write into it (empty between calls).
+    outputs: Vec<Output>,
 }
+
+/// Where a product's output starts, shared by the tasks that write disjoint elements of it (`matmul_many_with`).
+#[derive(Clone, Copy)]
+struct Output(*mut f32);
+
+// SAFETY: an `Output` is only written through during `matmul_many_with`, while the slice it points into is borrowed
+// mutably by the call, and each element by one task only.
+unsafe impl Send for Output {}
+unsafe impl Sync for Output {}
 
 /// Which quantized rows meet activations quantized to 8 bits (integer products, as llama.cpp computes them), chosen
 /// once per process: `FRSPEC_ACTIVATIONS=f32|kquants|q8`, or `sweep --activations` (which records it).
