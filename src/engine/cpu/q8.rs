@@ -13,7 +13,8 @@
 //! it, so a block of rows still equals its rows one by one, bit for bit (greedy losslessness does not depend on
 //! the activations' precision, only on that).
 
-use super::tensor::{nibble, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use super::tensor::{nibble, pool, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use rayon::prelude::*;
 
 /// Quantizes one run of values (a multiple of 32 long) to `qs` with d = max |x| / 127 and q = round(x · 127 / max |x|),
 /// ties to even; returns d (0 for a run of zeros, whose q are 0). The vector versions give the same bits.
@@ -53,14 +54,27 @@ impl Q8Rows {
     }
 
     /// Appends the rows of `x` (each `cols` long, a multiple of 32), quantized by `quantize` (`quantize_run` or a
-    /// vector version of it).
-    pub fn quantize(&mut self, x: &[f32], quantize: impl Fn(&[f32], &mut [i8]) -> f32) {
-        let start = self.qs.len();
-        self.qs.resize(start + x.len(), 0);
-        for (xs, qs) in x.chunks_exact(QK).zip(self.qs[start..].chunks_exact_mut(QK)) {
-            let d = quantize(xs, qs);
-            self.d.push(d);
-            self.sums.push(d * qs.iter().map(|&q| q as i32).sum::<i32>() as f32);
+    /// vector version of it). Many rows (a batch of verification blocks) are quantized on the pool, a group of
+    /// blocks a task: on one core they kept the other waiting for the product that follows.
+    pub fn quantize(&mut self, x: &[f32], quantize: impl Fn(&[f32], &mut [i8]) -> f32 + Sync) {
+        const GROUP: usize = 128;
+        let (start, blocks) = (self.d.len(), x.len() / QK);
+        self.qs.resize((start + blocks) * QK, 0);
+        self.d.resize(start + blocks, 0.0);
+        self.sums.resize(start + blocks, 0.0);
+        let (qs, d, sums) = (&mut self.qs[start * QK..], &mut self.d[start..], &mut self.sums[start..]);
+        let group = |(((x, qs), d), sums): (((&[f32], &mut [i8]), &mut [f32]), &mut [f32])| {
+            for (((xs, qs), d), sum) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d).zip(sums) {
+                *d = quantize(xs, qs);
+                *sum = *d * qs.iter().map(|&q| q as i32).sum::<i32>() as f32;
+            }
+        };
+        match blocks < 2 * GROUP {
+            true => group((((x, qs), d), sums)),
+            false => pool().install(|| {
+                let groups = x.par_chunks(GROUP * QK).zip(qs.par_chunks_mut(GROUP * QK)).zip(d.par_chunks_mut(GROUP));
+                groups.zip(sums.par_chunks_mut(GROUP)).for_each(group)
+            }),
         }
     }
 
