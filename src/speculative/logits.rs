@@ -80,24 +80,21 @@ impl LogitRows for HostLogits {
         thread_local! {
             static BUFFERS: std::cell::RefCell<(Vec<f32>, Vec<u32>)> = std::cell::RefCell::default();
         }
-        for &(row, _) in picks {
-            row_of(&self.rows, self.vocab, row)?;
-        }
         let (rows, vocab) = (&self.rows, self.vocab);
-        let probability = |&(row, token): &(usize, u32)| {
-            BUFFERS.with_borrow_mut(|(p, order)| {
-                sampling.distribution(&rows[row * vocab..(row + 1) * vocab], p, order);
+        let probability = |(p_token, &(row, token)): (&mut f32, &(usize, u32))| {
+            let logits = row_of(rows, vocab, row)?;
+            *p_token = BUFFERS.with_borrow_mut(|(p, order)| {
+                sampling.distribution(logits, p, order);
                 p[token as usize]
-            })
+            });
+            Ok(())
         };
+        out.clear();
+        out.resize(picks.len(), 0.0);
         match sampling.is_greedy() || picks.len() < 2 {
-            true => {
-                out.clear();
-                out.extend(picks.iter().map(probability));
-            }
-            false => picks.par_iter().map(probability).collect_into_vec(out),
+            true => out.iter_mut().zip(picks).try_for_each(probability),
+            false => out.par_iter_mut().zip(picks).try_for_each(probability),
         }
-        Ok(())
     }
 
     fn draw(&mut self, sampling: Sampling, requests: &[DrawRequest<'_>], out: &mut Vec<u32>) -> Result<()> {

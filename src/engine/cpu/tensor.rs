@@ -177,7 +177,7 @@ impl Matrix {
     /// `out[b, r] = dot(W[r], x[b])` for `n = x.len() / cols` activation rows. Each weight row is unpacked once
     /// for up to `GROUP` activation rows at a time; each output still follows the exact operation sequence of a
     /// one-row product, so a block equals its rows done one by one, bit for bit.
-    /// `scratch` holds the quantized activations (K-quants) and the transposed result; it is reused between calls.
+    /// `scratch` holds the quantized activations (K-quants) and the tasks' results; it is reused between calls.
     pub fn matmul(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
         Matrix::matmul_many(x, &mut [(self, out)], scratch)
     }
@@ -219,12 +219,12 @@ impl Matrix {
         }
         let (q8, q8_32) = (&scratch.q8, &scratch.q8_32);
         // The matrices' rows, stacked, are split into chunks, one task each. A task computes its rows row-major
-        // ([rows, n], its own slice of `transposed`) and then writes them, transposed, into the outputs, one
+        // ([rows, n], its own slice of `results`) and then writes them, transposed, into the outputs, one
         // activation row's run at a time (so the writes go in order); done after the parallel region, the transposes
         // kept one core busy while the other waited. A chunk may cover the end of one matrix and the start of the next.
         let rows: usize = products.iter().map(|(m, _)| m.rows).sum();
         let rows_per_task = (rows / (4 * pool().current_num_threads())).clamp(16, 1024);
-        let t = &mut scratch.transposed;
+        let t = &mut scratch.results;
         t.resize(rows * n, 0.0);
         let outs = &mut scratch.outputs;
         outs.clear();
@@ -435,7 +435,8 @@ pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 pub struct MatmulScratch {
     q8: Vec<BlockQ8K>,
     q8_32: Q8Rows,
-    transposed: Vec<f32>,
+    /// Each task's products row-major ([rows, n]), before they go, transposed, to the outputs.
+    results: Vec<f32>,
     /// Each product's output, while the tasks write into it (empty between calls).
     outputs: Vec<Output>,
 }
