@@ -125,6 +125,17 @@ fn layer_zero_input_is_the_embedding_and_logit_rows_are_selectable() {
 }
 
 #[test]
+fn a_forward_writing_over_an_earlier_logits_buffer_gives_fresh_logits() {
+    let (_dir, model) = load(&Shape::tiny(), DType::F32);
+    let fresh = model.forward(&TOKENS[..4], &mut model.new_cache(), &[3, 1], &[]).unwrap();
+    // Longer than needed and holding other values, then shorter than needed.
+    for stale in [vec![f32::NAN; 5 * model.config.vocab], vec![7.0; 3]] {
+        let reused = model.forward_sequences_reusing(&TOKENS[..4], &mut [&mut model.new_cache()], &[4], &[3, 1], &[], stale).unwrap();
+        assert_eq!(reused.logits, fresh.logits);
+    }
+}
+
+#[test]
 fn context_limit_and_bad_ids_are_errors() {
     let (_dir, model) = load(&Shape::tiny(), DType::F32);
     let long = vec![1u32; model.config.context_length + 1];

@@ -58,6 +58,11 @@ impl HostLogits {
         (self.rows, self.vocab) = (rows, vocab);
     }
 
+    /// The rows' buffer, for the next forward to write over and `fill` with again; no rows are left.
+    pub fn take_rows(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.rows)
+    }
+
     fn distribution(&mut self, sampling: Sampling, row: usize) -> Result<()> {
         sampling.distribution(row_of(&self.rows, self.vocab, row)?, &mut self.p, &mut self.order);
         Ok(())

@@ -99,7 +99,7 @@ impl TargetModel for Model {
 
     fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], features: Option<&mut CpuFeatures>, logits: &mut Vec<f32>) -> Result<()> {
         let capture = features.as_ref().map_or(&[][..], |f| f.captured());
-        let fwd = Model::forward(self, tokens, cache, logit_rows, capture)?;
+        let fwd = self.forward_sequences_reusing(tokens, &mut [cache], &[tokens.len()], logit_rows, capture, std::mem::take(logits))?;
         if let Some(f) = features {
             f.append(&fwd.hidden, &fwd.layer_inputs);
         }
@@ -116,7 +116,7 @@ impl TargetModel for Model {
     fn forward_blocks(&self, blocks: &mut [Block<'_, Self>], logits: &mut HostLogits) -> Result<()> {
         let batch = Batch::of(blocks, |f| f.captured())?;
         let mut caches: Vec<&mut Cache> = blocks.iter_mut().map(|b| &mut *b.cache).collect();
-        let fwd = self.forward_sequences(&batch.tokens, &mut caches, &batch.rows, &batch.logit_rows, &batch.capture)?;
+        let fwd = self.forward_sequences_reusing(&batch.tokens, &mut caches, &batch.rows, &batch.logit_rows, &batch.capture, logits.take_rows())?;
         let h = self.config.hidden;
         logits.fill(fwd.logits, self.config.vocab);
         Batch::scatter(blocks, |f, row, n| {

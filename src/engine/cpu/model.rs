@@ -522,10 +522,16 @@ impl Model {
     /// Each sequence's outputs are what `forward` gives it alone, bit for bit: every output is one dot product in
     /// a fixed order, whatever the rows beside it.
     pub fn forward_sequences(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
-        crate::engine::cpu::tensor::with_pool_awake(|| self.forward_in_pool(tokens, caches, rows, logit_rows, capture_layers))
+        self.forward_sequences_reusing(tokens, caches, rows, logit_rows, capture_layers, Vec::new())
     }
 
-    fn forward_in_pool(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize]) -> Result<Forward> {
+    /// `forward_sequences` writing the logits over `logits`, a buffer an earlier forward returned: a batch's logit
+    /// rows (80 × 49,152 for 16 SmolLM2 verification blocks) were a fresh zeroed allocation every step.
+    pub fn forward_sequences_reusing(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize], logits: Vec<f32>) -> Result<Forward> {
+        crate::engine::cpu::tensor::with_pool_awake(|| self.forward_in_pool(tokens, caches, rows, logit_rows, capture_layers, logits))
+    }
+
+    fn forward_in_pool(&self, tokens: &[u32], caches: &mut [&mut Cache], rows: &[usize], logit_rows: &[usize], capture_layers: &[usize], mut logits: Vec<f32>) -> Result<Forward> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 {
@@ -554,20 +560,20 @@ impl Model {
         let mut hidden = vec![0.0; n * c.hidden];
         rms_norm(&x, &self.norm, c.rms_eps, &mut hidden);
         caches[0].work.x = x;
-        let logits = self.logits(&hidden, logit_rows, caches[0].matmul_scratch());
+        self.logits(&hidden, logit_rows, caches[0].matmul_scratch(), &mut logits);
         Ok(Forward { hidden, logits, layer_inputs })
     }
 
-    /// LM-head logits for the chosen rows of `hidden` (`[n, hidden]`).
-    fn logits(&self, hidden: &[f32], rows: &[usize], scratch: &mut MatmulScratch) -> Vec<f32> {
+    /// LM-head logits for the chosen rows of `hidden` (`[n, hidden]`) into `out`, every value written (the product
+    /// writes each output, so the buffer is not zeroed first).
+    fn logits(&self, hidden: &[f32], rows: &[usize], scratch: &mut MatmulScratch, out: &mut Vec<f32>) {
         let (h, v) = (self.config.hidden, self.config.vocab);
+        out.resize(rows.len() * v, 0.0);
         if rows.is_empty() {
-            return Vec::new();
+            return;
         }
         let picked: Vec<f32> = rows.iter().flat_map(|&r| &hidden[r * h..(r + 1) * h]).copied().collect();
-        let mut out = vec![0.0; rows.len() * v];
-        self.lm_head().matmul(&picked, &mut out, scratch);
-        out
+        self.lm_head().matmul(&picked, out, scratch);
     }
 }
 

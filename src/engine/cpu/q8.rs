@@ -31,38 +31,43 @@ pub fn quantize_run(xs: &[f32], qs: &mut [i8]) -> f32 {
     amax / 127.0
 }
 
-/// Activation rows quantized per block of 32 (`quantize_run`), as the integer kernels read them.
+/// Activation rows quantized per block of 32 (`quantize_run`), as the integer kernels read them. The buffers keep
+/// the length of the most rows quantized so far and the first `blocks` blocks are this product's: emptied and
+/// filled again for every product, they were zeroed first each time (8 MB a forward for a batch of 16 SmolLM2
+/// verification blocks), and a batch's and a draft's products alternate between row counts.
 #[derive(Default)]
 pub struct Q8Rows {
     /// `[rows, cols]` quantized values.
-    pub qs: Vec<i8>,
+    qs: Vec<i8>,
     /// Each block's d.
-    pub d: Vec<f32>,
+    d: Vec<f32>,
     /// Each block's d · Σq, what the weights' offsets meet.
-    pub sums: Vec<f32>,
+    sums: Vec<f32>,
+    blocks: usize,
 }
 
 impl Q8Rows {
     pub fn clear(&mut self) {
-        self.qs.clear();
-        self.d.clear();
-        self.sums.clear();
+        self.blocks = 0;
     }
 
     pub fn is_empty(&self) -> bool {
-        self.qs.is_empty()
+        self.blocks == 0
     }
 
-    /// Appends the rows of `x` (each `cols` long, a multiple of 32), quantized by `quantize` (`quantize_run` or a
-    /// vector version of it). Many rows (a batch of verification blocks) are quantized on the pool, a group of
-    /// blocks a task: on one core they kept the other waiting for the product that follows.
+    /// The rows of `x` (each `cols` long, a multiple of 32), quantized by `quantize` (`quantize_run` or a vector
+    /// version of it), in place of any before. Many rows (a batch of verification blocks) are quantized on the pool,
+    /// a group of blocks a task: on one core they kept the other waiting for the product that follows.
     pub fn quantize(&mut self, x: &[f32], quantize: impl Fn(&[f32], &mut [i8]) -> f32 + Sync) {
         const GROUP: usize = 128;
-        let (start, blocks) = (self.d.len(), x.len() / QK);
-        self.qs.resize((start + blocks) * QK, 0);
-        self.d.resize(start + blocks, 0.0);
-        self.sums.resize(start + blocks, 0.0);
-        let (qs, d, sums) = (&mut self.qs[start * QK..], &mut self.d[start..], &mut self.sums[start..]);
+        let blocks = x.len() / QK;
+        if self.d.len() < blocks {
+            self.qs.resize(blocks * QK, 0);
+            self.d.resize(blocks, 0.0);
+            self.sums.resize(blocks, 0.0);
+        }
+        self.blocks = blocks;
+        let (qs, d, sums) = (&mut self.qs[..blocks * QK], &mut self.d[..blocks], &mut self.sums[..blocks]);
         let group = |(((x, qs), d), sums): (((&[f32], &mut [i8]), &mut [f32]), &mut [f32])| {
             for (((xs, qs), d), sum) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d).zip(sums) {
                 *d = quantize(xs, qs);
@@ -80,6 +85,7 @@ impl Q8Rows {
 
     /// Activation rows `rows` (of `nb` blocks each).
     pub fn rows(&self, rows: std::ops::Range<usize>, nb: usize) -> Q8View<'_> {
+        debug_assert!(rows.end * nb <= self.blocks);
         Q8View {
             qs: &self.qs[rows.start * nb * QK..rows.end * nb * QK],
             d: &self.d[rows.start * nb..rows.end * nb],

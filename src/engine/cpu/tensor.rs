@@ -1509,7 +1509,8 @@ mod tests {
         } else if m.is_block_quant() && activations == Activations::Q8 {
             let mut q8 = Q8Rows::default();
             q8.quantize(x, q8::quantize_run);
-            q8.qs.iter().enumerate().map(|(i, &q)| q8.d[i / QK] * q as f32).collect()
+            let quantized = q8.rows(0..n, cols / QK);
+            quantized.qs.iter().enumerate().map(|(i, &q)| quantized.d[i / QK] * q as f32).collect()
         } else {
             x.to_vec()
         };
@@ -1618,12 +1619,19 @@ mod tests {
         // Blocks of 32: the same rounding, block by block.
         let mut reference = Q8Rows::default();
         reference.quantize(&x, q8::quantize_run);
+        let blocks = x.len() / QK;
+        let same = |a: Q8View, b: Q8View| a.qs == b.qs && a.d == b.d && a.sums == b.sums;
         for kernel in Kernel::available() {
             let mut q = Q8Rows::default();
             quantize_q8_32(kernel, &x, &mut q);
-            assert!(q.qs == reference.qs && q.d == reference.d && q.sums == reference.sums, "{kernel:?} quantizes blocks of 32 differently");
+            assert!(same(q.rows(0..1, blocks), reference.rows(0..1, blocks)), "{kernel:?} quantizes blocks of 32 differently");
         }
-        assert_eq!(reference.qs[1..5], [-126, -124, -124, -122], "ties round to even");
+        assert_eq!(reference.rows(0..1, blocks).qs[1..5], [-126, -124, -124, -122], "ties round to even");
+        // Rows quantized over longer ones left in the buffers are what they are alone.
+        let mut fresh = Q8Rows::default();
+        fresh.quantize(&x[x.len() - QK..], q8::quantize_run);
+        reference.quantize(&x[x.len() - QK..], q8::quantize_run);
+        assert!(same(reference.rows(0..1, 1), fresh.rows(0..1, 1)), "reused buffers change the quantized rows");
     }
 
     #[test]
