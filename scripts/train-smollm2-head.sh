@@ -10,14 +10,14 @@
 # MT-Bench. Six epochs over all three against the Brown keep set at ratio 0.75 (the teacher distribution over the
 # 12,289 most frequent ids, FR-Spec's own idea applied to training: a step costs a quarter of a full-vocabulary one),
 # true features only. About 10,100 s when timed (results/train/smollm2-135m-eagle1.md); since 2026-12-03 a training
-# step takes ≈ 0.73 of its time then and an answer ≈ 0.86 (results/train/training-speed-2026-12-03.md).
+# step takes ≈ 0.73-0.78 of its time then and an answer ≈ 0.86 (results/train/training-speed-2026-12-03.md).
 #
 # eagle3 (heads/smollm2-135m-eagle3/, preset smollm2-eagle3): the first 2,400 distinct ShareGPT requests answered by
 # the target, its residual streams entering layers 2, 15 and 27 kept; a draft vocabulary of the 8,192 ids its
 # answers hold most often; the token term alone with the training-time test over 2 further steps; four epochs, then
 # two more from that head with a schedule of their own (--init-from: lr 3e-4, warm-up 20). Packed in Q8_0 (frspec
 # pack-head). About 3,300 s of data and 5,900 + 3,000-3,900 s of training when timed
-# (results/train/smollm2-135m-eagle3.md), ≈ 9,600-10,300 s in all estimated from the faster steps and answers since.
+# (results/train/smollm2-135m-eagle3.md), ≈ 9,600-10,600 s in all estimated from the faster steps and answers since.
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
