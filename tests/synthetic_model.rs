@@ -4,7 +4,7 @@
 mod common;
 use candle_core::DType;
 use common::{reference_logits, Weights};
-use frspec::engine::cpu::model::Model;
+use frspec::engine::cpu::model::{Forward, Model};
 use frspec::synthetic::{self, Shape};
 use half::{bf16, f16};
 
@@ -132,6 +132,16 @@ fn a_forward_writing_over_an_earlier_logits_buffer_gives_fresh_logits() {
     for stale in [vec![f32::NAN; 5 * model.config.vocab], vec![7.0; 3]] {
         let reused = model.forward_sequences_reusing(&TOKENS[..4], &mut [&mut model.new_cache()], &[4], &[3, 1], &[], stale).unwrap();
         assert_eq!(reused.logits, fresh.logits);
+    }
+    // Hidden rows and captured layers handed back to a cache, longer and more (NaN-filled) or shorter than needed,
+    // are written over by its next forward.
+    let (capture, h) = ([0, 1], model.config.hidden);
+    let fresh = model.forward(&TOKENS[..4], &mut model.new_cache(), &[3], &capture).unwrap();
+    for (rows, layers) in [(9, 3), (1, 1)] {
+        let mut cache = model.new_cache();
+        cache.recycle(Forward { hidden: vec![f32::NAN; rows * h], logits: Vec::new(), layer_inputs: vec![vec![f32::NAN; rows * h]; layers] });
+        let reused = model.forward(&TOKENS[..4], &mut cache, &[3], &capture).unwrap();
+        assert_eq!((&reused.hidden, &reused.layer_inputs, &reused.logits), (&fresh.hidden, &fresh.layer_inputs, &fresh.logits));
     }
 }
 

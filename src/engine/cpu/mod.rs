@@ -99,11 +99,12 @@ impl TargetModel for Model {
 
     fn forward(&self, tokens: &[u32], cache: &mut Cache, logit_rows: &[usize], features: Option<&mut CpuFeatures>, logits: &mut Vec<f32>) -> Result<()> {
         let capture = features.as_ref().map_or(&[][..], |f| f.captured());
-        let fwd = self.forward_sequences_reusing(tokens, &mut [cache], &[tokens.len()], logit_rows, capture, std::mem::take(logits))?;
+        let mut fwd = self.forward_sequences_reusing(tokens, &mut [&mut *cache], &[tokens.len()], logit_rows, capture, std::mem::take(logits))?;
         if let Some(f) = features {
             f.append(&fwd.hidden, &fwd.layer_inputs);
         }
-        *logits = fwd.logits;
+        *logits = std::mem::take(&mut fwd.logits);
+        cache.recycle(fwd);
         Ok(())
     }
 
@@ -116,14 +117,16 @@ impl TargetModel for Model {
     fn forward_blocks(&self, blocks: &mut [Block<'_, Self>], logits: &mut HostLogits) -> Result<()> {
         let batch = Batch::of(blocks, |f| f.captured())?;
         let mut caches: Vec<&mut Cache> = blocks.iter_mut().map(|b| &mut *b.cache).collect();
-        let fwd = self.forward_sequences_reusing(&batch.tokens, &mut caches, &batch.rows, &batch.logit_rows, &batch.capture, logits.take_rows())?;
+        let mut fwd = self.forward_sequences_reusing(&batch.tokens, &mut caches, &batch.rows, &batch.logit_rows, &batch.capture, logits.take_rows())?;
         let h = self.config.hidden;
-        logits.fill(fwd.logits, self.config.vocab);
+        logits.fill(std::mem::take(&mut fwd.logits), self.config.vocab);
         Batch::scatter(blocks, |f, row, n| {
             let captured: Vec<&[f32]> = fwd.layer_inputs.iter().map(|l| &l[row * h..(row + n) * h]).collect();
             f.append(&fwd.hidden[row * h..(row + n) * h], &captured);
             Ok(())
-        })
+        })?;
+        blocks[0].cache.recycle(fwd);
+        Ok(())
     }
 }
 

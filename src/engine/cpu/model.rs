@@ -325,6 +325,11 @@ pub struct Workspace {
     cos: Vec<f32>,
     sin: Vec<f32>,
     matmul: MatmulScratchCell,
+    /// The rows the LM head is asked for, side by side.
+    picked: Vec<f32>,
+    /// A returned forward's hidden rows and captured layers (`Cache::recycle`), for the next forward to write over.
+    hidden: Vec<f32>,
+    layer_inputs: Vec<Vec<f32>>,
 }
 
 /// `MatmulScratch` is not `Clone` (nothing in it is worth copying); a cloned cache starts with empty scratch.
@@ -373,6 +378,12 @@ impl Cache {
     /// The scratch a caller may use for its own matmuls between forwards.
     pub fn matmul_scratch(&mut self) -> &mut MatmulScratch {
         &mut self.work.matmul.0
+    }
+
+    /// Hand back the hidden rows and captured layers of a forward whose first sequence this cache was, once read:
+    /// the next forward writes over them instead of allocating (they were `[rows, hidden]` each, every step).
+    pub fn recycle(&mut self, used: Forward) {
+        (self.work.hidden, self.work.layer_inputs) = (used.hidden, used.layer_inputs);
     }
 }
 
@@ -549,31 +560,36 @@ impl Model {
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= c.layers) {
             bail!("layer {l} does not exist (the model has {})", c.layers);
         }
-        let mut x = std::mem::take(&mut caches[0].work.x);
+        let work = &mut caches[0].work;
+        let (mut x, mut hidden, mut layer_inputs) = (std::mem::take(&mut work.x), std::mem::take(&mut work.hidden), std::mem::take(&mut work.layer_inputs));
         self.embed_into(tokens, &mut x)?;
-        let mut layer_inputs = vec![Vec::new(); capture_layers.len()];
+        layer_inputs.resize_with(capture_layers.len(), Vec::new);
         advance_sequences(&self.geometry, &self.layers, caches, rows, &mut x, None, |i, x| {
             for (slot, _) in capture_layers.iter().enumerate().filter(|(_, &l)| l == i) {
-                layer_inputs[slot] = x.to_vec();
+                layer_inputs[slot].clear();
+                layer_inputs[slot].extend_from_slice(x);
             }
         });
-        let mut hidden = vec![0.0; n * c.hidden];
+        // Every value is written by the norm.
+        hidden.resize(n * c.hidden, 0.0);
         rms_norm(&x, &self.norm, c.rms_eps, &mut hidden);
-        caches[0].work.x = x;
-        self.logits(&hidden, logit_rows, caches[0].matmul_scratch(), &mut logits);
+        let work = &mut caches[0].work;
+        work.x = x;
+        self.logits(&hidden, logit_rows, &mut work.matmul.0, &mut work.picked, &mut logits);
         Ok(Forward { hidden, logits, layer_inputs })
     }
 
-    /// LM-head logits for the chosen rows of `hidden` (`[n, hidden]`) into `out`, every value written (the product
-    /// writes each output, so the buffer is not zeroed first).
-    fn logits(&self, hidden: &[f32], rows: &[usize], scratch: &mut MatmulScratch, out: &mut Vec<f32>) {
+    /// LM-head logits for the chosen rows of `hidden` (`[n, hidden]`), gathered into `picked`, into `out`, every
+    /// value written (the product writes each output, so the buffer is not zeroed first).
+    fn logits(&self, hidden: &[f32], rows: &[usize], scratch: &mut MatmulScratch, picked: &mut Vec<f32>, out: &mut Vec<f32>) {
         let (h, v) = (self.config.hidden, self.config.vocab);
         out.resize(rows.len() * v, 0.0);
         if rows.is_empty() {
             return;
         }
-        let picked: Vec<f32> = rows.iter().flat_map(|&r| &hidden[r * h..(r + 1) * h]).copied().collect();
-        self.lm_head().matmul(&picked, out, scratch);
+        picked.clear();
+        picked.extend(rows.iter().flat_map(|&r| &hidden[r * h..(r + 1) * h]));
+        self.lm_head().matmul(picked, out, scratch);
     }
 }
 
