@@ -91,12 +91,20 @@ pub fn soft_cross_entropy(logits: &Tensor, p: &Tensor) -> Result<Tensor> {
 
 struct SoftCrossEntropy;
 
+/// The values of a contiguous f32 operand.
+fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let (CpuStorage::F32(x), Some((o, e))) = (s, l.contiguous_offsets()) else {
+        candle_core::bail!("soft cross-entropy: {what} must be contiguous f32")
+    };
+    Ok(&x[o..e])
+}
+
 /// The rows of a contiguous f32 `[rows, V]` operand, and V.
 fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<(&'a [f32], usize)> {
-    let (CpuStorage::F32(x), Some((o, e)), [_, v]) = (s, l.contiguous_offsets(), l.dims()) else {
-        candle_core::bail!("soft cross-entropy: {what} must be contiguous f32 [rows, vocabulary]")
+    let &[_, v] = l.dims() else {
+        candle_core::bail!("soft cross-entropy: {what} must be [rows, vocabulary], not {:?}", l.dims())
     };
-    Ok((&x[o..e], *v))
+    Ok((f32_values(s, l, what)?, v))
 }
 
 /// A row's log-sum-exp: exponentials in f32 (as candle's ops took them), their sum in f64.
@@ -142,10 +150,7 @@ impl CustomOp3 for SoftCrossEntropyGrad {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let ((z, v), (p, _)) = (f32_rows(s1, l1, "the logits")?, f32_rows(s2, l2, "the teacher distribution")?);
-        let (CpuStorage::F32(g), Some((o, e))) = (s3, l3.contiguous_offsets()) else {
-            candle_core::bail!("soft cross-entropy: the rows' gradients must be contiguous f32")
-        };
-        let g = &g[o..e];
+        let g = f32_values(s3, l3, "the rows' gradients")?;
         let mut out = vec![0f32; z.len()];
         out.par_chunks_mut(v).zip(z.par_chunks(v)).zip(p.par_chunks(v)).zip(g.par_iter()).for_each(|(((out, z), p), &g)| {
             let lse = log_sum_exp(z) as f32;
