@@ -6,12 +6,12 @@
 //! (`common::exact_activations`): the CPU engine's default 8-bit activations are not what candle computes.
 
 mod common;
-use common::smollm2::{batched_sweep, fed_alone_and_together, keep, mt_bench_prompts, smollm2};
+use common::smollm2::{batched_sweep, fed_alone_and_together, keep, mt_bench_prompts, smollm2, Queue};
 use common::{exact_activations, frspec};
 use frspec::engine::candle::draft::DraftWeights;
 use frspec::engine::candle::llama::{greedy, named_shape, Attention, Cache, Llama};
 use frspec::engine::candle::{DeviceHead, DeviceRow};
-use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
+use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig};
 use frspec::speculative::generate::generate;
 use frspec::speculative::{Context, Draft, DraftHead, DraftKind, DraftMode, HeadMode, HeadRows, TargetModel};
 use frspec::sampling::Sampling;
@@ -397,21 +397,9 @@ fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
     // own cache (a slot of the head's pool): each draft's head input must be what it gets fed alone (EAGLE-1 and
     // EAGLE-3, catching up on prompts of different lengths, then two drafted tokens), and greedy turns of three slots
     // at once stay the target's own output.
-    use frspec::engine::candle::DeviceHead;
-    use frspec::speculative::decode::{speculative_turns, TurnJob, Turns};
-    struct Queue<'h> {
-        jobs: std::collections::VecDeque<TurnJob<'h, DeviceHead>>,
-        done: Vec<(usize, Vec<u32>)>,
-    }
-    impl<'h> Turns<'h, DeviceHead> for Queue<'h> {
-        fn next(&mut self) -> anyhow::Result<Option<TurnJob<'h, DeviceHead>>> {
-            Ok(self.jobs.pop_front())
-        }
-        fn finished(&mut self, id: usize, tokens: Vec<u32>, _: TurnRecord) -> anyhow::Result<()> {
-            self.done.push((id, tokens));
-            Ok(())
-        }
-    }
+    // Their prompts share the chat template's opening: the second and third turns start from the first slot's rows
+    // of it (copied from slot to slot of the pool), once the first has forwarded them.
+    use frspec::speculative::decode::{speculative_turns, TurnJob};
     exact_activations();
     let t = smollm2();
     let llama = Llama::from_engine(&t.model, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
@@ -430,8 +418,8 @@ fn candle_drafts_fed_together_give_each_what_it_gets_alone() {
         let jobs = prompts.iter().enumerate().map(|(id, p)| TurnJob { id, prompt: p.clone(), head: &head, rng: Box::new(ChaCha20Rng::seed_from_u64(0)) }).collect();
         let mut queue = Queue { jobs, done: Vec::new() };
         speculative_turns(&llama, &t.tokenizer.stop_ids, &mut slots, &cfg, &mut queue).unwrap();
-        queue.done.sort();
-        for ((id, got), prompt) in queue.done.iter().zip(&prompts) {
+        queue.done.sort_by_key(|d| d.0);
+        for ((id, got, _), prompt) in queue.done.iter().zip(&prompts) {
             let want = generate(&t.model, &t.tokenizer.stop_ids, prompt, 48, Sampling::GREEDY, &mut ChaCha20Rng::seed_from_u64(0)).unwrap().tokens;
             assert_eq!(got, &want, "{kind}: turn {id} of three side by side");
         }

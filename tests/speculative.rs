@@ -5,7 +5,7 @@
 //! candle engine on SmolLM2, which need exact ones, are in backend.rs).
 
 mod common;
-use common::smollm2::{batched_sweep, fed_alone_and_together, keep, mt_bench_prompts, smollm2};
+use common::smollm2::{batched_sweep, fed_alone_and_together, keep, mt_bench_prompts, smollm2, Queue};
 use frspec::speculative::decode::{greedy_turns, speculative_turn, SpecConfig, TurnRecord};
 use frspec::engine::cpu::draft::{build, EagleDraft, ModelDraft};
 use frspec::speculative::{Draft, DraftHead, DraftKind, DraftMode, HeadMode, TargetModel};
@@ -482,6 +482,40 @@ fn batched_sweeps_give_every_record_of_one_sequence_at_a_time() {
     };
     let one = sorted(one);
     assert_eq!(sorted(on_cpu(8)), one, "CPU engine: batch 8 vs 1");
+}
+
+#[test]
+fn turns_starting_from_positions_another_slot_holds_give_what_they_give_alone() {
+    // The loop copies the positions of a prompt that a slot holds (the same prompt at another ratio, the chat before
+    // a later turn, a shared opening) instead of forwarding them again, and a turn whose prompt another slot forwards
+    // in the same step waits for it; at batch 1 a slot truncates its own last turn. Every turn must still give what
+    // it gives alone, tokens and record, bit for bit, at T = 1.
+    use frspec::speculative::decode::{speculative_turns, TurnJob};
+    let t = smollm2();
+    let load = || frspec::engine::cpu::draft::load(&DraftKind::Eagle, Some(frspec::spec::SMOLLM2_HEAD), t, "smollm2").unwrap().boxed();
+    let heads = [0.0, 0.9].map(|r| DraftHead::new(load().lm_head(), keep(r), HeadMode::Slice).unwrap());
+    let prompts = mt_bench_prompts(2);
+    let later = [&prompts[0][..], &prompts[1][..]].concat();
+    let jobs = [(&prompts[0], 0, 1), (&prompts[0], 1, 1), (&prompts[0], 1, 2), (&later, 0, 3), (&prompts[1], 1, 4), (&prompts[0], 0, 5)];
+    let cfg = SpecConfig { k: 4, mode: DraftMode::Argmax, sampling: Sampling::new(1.0, 1.0).unwrap(), max_new_tokens: 48 };
+    let alone: Vec<(Vec<u32>, TurnRecord)> = jobs
+        .iter()
+        .map(|&(prompt, head, seed)| {
+            let (tokens, rec) = speculative_turn(&t.model, &t.tokenizer.stop_ids, load().as_mut(), &heads[head], prompt, &cfg, &mut ChaCha20Rng::seed_from_u64(seed)).unwrap();
+            (tokens, rec.without_timings())
+        })
+        .collect();
+    assert!(alone.iter().filter(|(_, r)| r.accepted > 0).count() > 3, "drafts are accepted: the comparison is not vacuous");
+    for batch in [1, 3] {
+        let mut drafts: Vec<Box<dyn Draft<Model>>> = (0..batch).map(|_| load()).collect();
+        let mut slots: Vec<&mut dyn Draft<Model>> = drafts.iter_mut().map(|d| d.as_mut() as _).collect();
+        let turns = jobs.iter().enumerate().map(|(id, &(prompt, head, seed))| TurnJob { id, prompt: prompt.clone(), head: &heads[head], rng: Box::new(ChaCha20Rng::seed_from_u64(seed)) });
+        let mut queue = Queue { jobs: turns.collect(), done: Vec::new() };
+        speculative_turns(&t.model, &t.tokenizer.stop_ids, &mut slots, &cfg, &mut queue).unwrap();
+        queue.done.sort_by_key(|d| d.0);
+        let got: Vec<(Vec<u32>, TurnRecord)> = queue.done.into_iter().map(|(_, tokens, rec)| (tokens, rec.without_timings())).collect();
+        assert_eq!(got, alone, "batch {batch}");
+    }
 }
 
 #[test]

@@ -172,10 +172,13 @@ impl<T: TargetModel> Slot<'_, T> {
 
 /// Speculative decoding of every turn `turns` hands out, `drafts.len()` at a time: each step, every slot drafts with
 /// its own draft, side by side (`SideBySide`), and the target verifies all slots' blocks in one `forward_blocks`; a
-/// finished turn's slot takes the next turn at once (its prompt joins the next forward). A turn's draws come from
-/// its own stream in the order one turn alone would make them, so on an engine whose blocks do not depend on their
-/// neighbours its record and tokens do not depend on the number of slots (tested). Time of a shared forward is split
-/// equally.
+/// finished turn's slot takes the next turn at once (its prompt joins the next forward). A prompt's positions that
+/// some slot already holds (the same prompt at another ratio, or the chat before a later turn) are copied from that
+/// slot rather than forwarded again (`Positions::copy_prefix`); a turn whose prompt is being forwarded in another
+/// slot this step waits one step to start from those rows. A turn's draws come from its own stream in the order one
+/// turn alone would make them, so on an engine whose blocks do not depend on their neighbours, nor a block on how
+/// its sequence was cut into blocks, its record and tokens do not depend on the number of slots (tested). Time of a
+/// shared forward is split equally.
 pub fn speculative_turns<'h, T: TargetModel>(
     target: &T,
     stop_ids: &[u32],
@@ -214,6 +217,8 @@ where
     let mut side_by_side = SideBySide::<T>::new();
     let mut verifying = Verifying::<T>::default();
     let stopped = |t: u32| stop_ids.contains(&t);
+    // A turn handed out but not started: its prompt was being forwarded in another slot.
+    let mut waiting: Option<TurnJob<'h, T::Head>> = None;
     loop {
         // Turns out of new tokens or context end before drafting.
         for slot in slots.iter_mut().filter(|s| s.turn.is_some() && !s.prefilling()) {
@@ -229,20 +234,39 @@ where
             }
         }
         // Free slots take the next turns, in order.
-        for (slot, draft) in slots.iter_mut().zip(drafts.iter_mut()).filter(|(s, _)| s.turn.is_none()) {
-            let Some(job) = turns.next()? else { break };
+        for i in 0..slots.len() {
+            if slots[i].turn.is_some() {
+                continue;
+            }
+            let Some(job) = waiting.take().map_or_else(|| turns.next(), |job| Ok(Some(job)))? else { break };
             if job.prompt.is_empty() {
                 bail!("empty prompt");
             }
             if job.head.vocab() != v {
                 bail!("the draft head has {} rows, the target vocabulary is {v}", job.head.vocab());
             }
-            draft.reset();
-            slot.cache.truncate(0)?;
-            slot.features.truncate(0)?;
-            slot.block.clone_from(&job.prompt);
+            // The prompt's last position is forwarded whatever is held: its logits give the first draw.
+            let wanted = &job.prompt[..job.prompt.len() - 1];
+            let (source, held) = held_prefix(&slots, i, wanted);
+            let coming = slots.iter().filter(|s| s.prefilling()).map(|s| common_prefix(&s.tokens, wanted)).max().unwrap_or(0);
+            if coming > held {
+                waiting = Some(job);
+                break;
+            }
+            drafts[i].reset();
+            if source == i {
+                slots[i].cache.truncate(held)?;
+                slots[i].features.truncate(held)?;
+            } else {
+                let (slot, from) = pair(&mut slots, i, source);
+                slot.cache.copy_prefix(&from.cache, held)?;
+                slot.features.copy_prefix(&from.features, held)?;
+            }
+            let slot = &mut slots[i];
+            slot.block.clear();
+            slot.block.extend_from_slice(&job.prompt[held..]);
             slot.rows.clear();
-            slot.rows.push(job.prompt.len() - 1);
+            slot.rows.push(job.prompt.len() - 1 - held);
             let rec = TurnRecord { prompt_tokens: job.prompt.len(), accepted_per_pos: vec![0; cfg.k], ..TurnRecord::default() };
             slot.turn = Some(Running { id: job.id, head: job.head, rng: job.rng, prompt_len: job.prompt.len(), rec });
             slot.tokens = job.prompt;
@@ -307,6 +331,36 @@ where
                 finish(slot, turns)?;
             }
         }
+    }
+}
+
+/// The slot holding the longest prefix of `wanted` in its cache, and that prefix's length; slot `own` (about to
+/// take a turn, its last turn's positions still held) when none holds more, so that it only truncates.
+fn held_prefix<T: TargetModel>(slots: &[Slot<T>], own: usize, wanted: &[u32]) -> (usize, usize) {
+    let held = |s: &Slot<T>| common_prefix(&s.tokens[..s.cache.len().min(s.features.len()).min(s.tokens.len())], wanted);
+    let mut best = (own, held(&slots[own]));
+    for (j, s) in slots.iter().enumerate() {
+        let n = held(s);
+        if n > best.1 {
+            best = (j, n);
+        }
+    }
+    best
+}
+
+/// The number of leading ids `a` and `b` share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Slot `i` to write beside slot `j` to read (`i != j`).
+fn pair<S>(slots: &mut [S], i: usize, j: usize) -> (&mut S, &S) {
+    if i < j {
+        let (left, right) = slots.split_at_mut(j);
+        (&mut left[i], &right[0])
+    } else {
+        let (left, right) = slots.split_at_mut(i);
+        (&mut right[0], &left[j])
     }
 }
 

@@ -27,6 +27,9 @@ pub trait Positions {
     }
     /// Forget positions `len..` (rejected drafts).
     fn truncate(&mut self, len: usize) -> Result<()>;
+    /// Hold the first `len` positions of `from` instead of this sequence's own: a turn whose prompt another sequence
+    /// of the same model has been through starts from its rows.
+    fn copy_prefix(&mut self, from: &Self, len: usize) -> Result<()>;
 }
 
 /// A target model as the loop drives it.

@@ -59,6 +59,23 @@ pub fn batched_sweep<'t, T: TargetModel>(target: &'t T, drafts: Vec<Box<dyn Draf
     runs
 }
 
+/// Turns handed to `speculative_turns` in order, and what each gave back.
+pub struct Queue<'h, H> {
+    pub jobs: std::collections::VecDeque<frspec::speculative::decode::TurnJob<'h, H>>,
+    pub done: Vec<(usize, Vec<u32>, frspec::speculative::decode::TurnRecord)>,
+}
+
+impl<'h, H> frspec::speculative::decode::Turns<'h, H> for Queue<'h, H> {
+    fn next(&mut self) -> anyhow::Result<Option<frspec::speculative::decode::TurnJob<'h, H>>> {
+        Ok(self.jobs.pop_front())
+    }
+
+    fn finished(&mut self, id: usize, tokens: Vec<u32>, record: frspec::speculative::decode::TurnRecord) -> anyhow::Result<()> {
+        self.done.push((id, tokens, record));
+        Ok(())
+    }
+}
+
 /// Feed the drafts (three) at four positions, each alone, then together through `feed_drafts`: catching up on
 /// prompts of different lengths, two drafted tokens for all, then a third for the first and the last only (on the
 /// candle engine their streams are then rows 0 and 2 of the previous position's outputs, gathered; consecutive ones

@@ -459,6 +459,31 @@ impl Cache {
         self.len = self.len.min(len);
     }
 
+    /// Hold the first `len` positions of `from`, a cache of the same pool: its rows copied into this slot, one
+    /// `write_kv` a layer (the rows read as keys and values after no query heads).
+    pub fn copy_prefix(&mut self, from: &Cache, len: usize) -> Result<()> {
+        if !Arc::ptr_eq(&self.pool, &from.pool) {
+            bail!("a cache can only start from a cache of the same model");
+        }
+        if len > from.len {
+            bail!("a prefix of {len} positions asked of a cache holding {}", from.len);
+        }
+        if len > 0 && self.slot != from.slot {
+            let pool = &self.pool;
+            let mut state = pool.state();
+            pool.reserve(&mut state, self.slot.max(from.slot) + 1, len)?;
+            let at: Vec<u32> = (0..len as u32).flat_map(|p| [self.slot as u32, p]).collect();
+            let at = Tensor::from_vec(at, (len, 2), &pool.device)?;
+            for kv in &state.buffers {
+                // [2, kv_heads, len, d] as rows [len, 2 · kv_heads · d]: a row's keys, then its values.
+                let rows = kv.get(from.slot)?.narrow(2, 0, len)?.permute((2, 0, 1, 3))?.contiguous()?.reshape((len, 2 * pool.kv_heads * pool.head_dim))?;
+                write_kv(kv, &rows, &at, 0)?;
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// Run `forward` with room for `rows[i]` more positions in `caches[i]` (all from one pool): it gets every layer's
     /// buffer and the rows' places, and each cache then counts its rows.
     pub fn extend<R>(caches: &mut [&mut Cache], rows: &[usize], forward: impl FnOnce(&[Tensor], &Placed) -> Result<R>) -> Result<R> {

@@ -111,6 +111,20 @@ impl Positions for DeviceFeatures {
         self.len = self.len.min(len);
         Ok(())
     }
+
+    fn copy_prefix(&mut self, from: &DeviceFeatures, len: usize) -> Result<()> {
+        if from.capture != self.capture {
+            bail!("features of layers {:?} cannot start from features of layers {:?}", self.capture, from.capture);
+        }
+        if len > 0 {
+            self.hidden.write(0, &from.hidden_rows(0, len)?)?;
+            if !self.capture.is_empty() {
+                self.layers.write(0, &from.layer_rows(0, len)?)?;
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
 }
 
 impl Positions for Cache {
@@ -121,6 +135,10 @@ impl Positions for Cache {
     fn truncate(&mut self, len: usize) -> Result<()> {
         Cache::truncate(self, len);
         Ok(())
+    }
+
+    fn copy_prefix(&mut self, from: &Cache, len: usize) -> Result<()> {
+        Cache::copy_prefix(self, from, len)
     }
 }
 

@@ -9,7 +9,7 @@ pub mod q8;
 pub mod tensor;
 
 use crate::speculative::{Batch, Block, Feed, HeadRows, HostLogits, Positions, TargetModel};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use model::{Cache, Model};
 use std::sync::Arc;
 use tensor::{MatmulScratch, Matrix};
@@ -61,6 +61,20 @@ impl Positions for CpuFeatures {
         self.layers.truncate(len * self.width * self.capture.len());
         Ok(())
     }
+
+    fn copy_prefix(&mut self, from: &CpuFeatures, len: usize) -> Result<()> {
+        if (from.width, &from.capture) != (self.width, &self.capture) {
+            bail!("features of layers {:?} cannot start from features of layers {:?}", self.capture, from.capture);
+        }
+        if len > from.len() {
+            bail!("a prefix of {len} positions asked of features holding {}", from.len());
+        }
+        self.hidden.clear();
+        self.hidden.extend_from_slice(&from.hidden[..len * self.width]);
+        self.layers.clear();
+        self.layers.extend_from_slice(&from.layers[..len * self.width * self.capture.len()]);
+        Ok(())
+    }
 }
 
 impl Positions for Cache {
@@ -71,6 +85,10 @@ impl Positions for Cache {
     fn truncate(&mut self, len: usize) -> Result<()> {
         Cache::truncate(self, len);
         Ok(())
+    }
+
+    fn copy_prefix(&mut self, from: &Cache, len: usize) -> Result<()> {
+        Cache::copy_prefix(self, from, len)
     }
 }
 

@@ -299,6 +299,13 @@ impl LayerCache {
         self.keys.truncate(len * kv_width);
         self.values.truncate(len * kv_width);
     }
+
+    fn copy_prefix(&mut self, from: &LayerCache, len: usize, kv_width: usize) {
+        self.keys.clear();
+        self.keys.extend_from_slice(&from.keys[..len * kv_width]);
+        self.values.clear();
+        self.values.extend_from_slice(&from.values[..len * kv_width]);
+    }
 }
 
 /// Keys and values of every layer plus the buffers a forward pass reuses.
@@ -365,6 +372,21 @@ impl Cache {
                 l.truncate(len, self.kv_width);
             }
         }
+    }
+
+    /// Hold the first `len` positions of `from`, a cache of the same model, in this cache's own buffers.
+    pub fn copy_prefix(&mut self, from: &Cache, len: usize) -> Result<()> {
+        if (from.layers.len(), from.kv_width) != (self.layers.len(), self.kv_width) {
+            bail!("a cache of {} layers of width {} cannot start from one of {} layers of width {}", self.layers.len(), self.kv_width, from.layers.len(), from.kv_width);
+        }
+        if len > from.len {
+            bail!("a prefix of {len} positions asked of a cache holding {}", from.len);
+        }
+        for (mine, theirs) in self.layers.iter_mut().zip(&from.layers) {
+            mine.copy_prefix(theirs, len, self.kv_width);
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// Run `layers` over the residual stream `x` (`[n, hidden]`) at positions `len()..`, appending to the cache.
