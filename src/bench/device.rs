@@ -217,7 +217,8 @@ const LLAMA31_PRESET_SAMPLED_TOKENS: f64 = 6.0 * 80.0 * 5.0 * 2.0 * 256.0;
 /// Steps/s of the batched speculative loop with `batch` slots of a random EAGLE-1 head at `temperature`: `batch` turns
 /// of up to `s.new_tokens` each, after one untimed round.
 fn batched_loop(model: &Llama, eagle: &DraftWeights, s: &DecodeSettings, batch: usize, temperature: f64) -> Result<BatchedLoop> {
-    /// The same prompt `left` more times; tokens and steps of the turns that finished.
+    /// The same prompt `left` more times (each turn after the first starts from the prompt's positions a slot holds,
+    /// as a sweep's ratios and repeats of one prompt do); tokens and steps of the turns that finished.
     struct Repeated<'h> {
         left: usize,
         prompt: &'h [u32],
