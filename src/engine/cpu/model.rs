@@ -6,7 +6,7 @@
 //! computed with the same arithmetic whether it arrives alone or in a block, so speculative verification of k+1
 //! tokens reproduces k+1 single-token steps bit for bit (tested).
 
-use crate::engine::cpu::tensor::{dot, pool, Matrix, MatmulScratch};
+use crate::engine::cpu::tensor::{dot, pool, weighted_rows, Matrix, MatmulScratch};
 use crate::loading::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
@@ -177,11 +177,8 @@ impl Geometry {
             *s = (*s - max).exp();
             sum += *s;
         }
-        out.fill(0.0);
-        for (j, s) in scores.iter().enumerate() {
-            let p = s / sum;
-            out.iter_mut().zip(&kv.values[at(j)]).for_each(|(o, v)| *o += p * v);
-        }
+        scores.iter_mut().for_each(|s| *s /= sum);
+        weighted_rows(scores, &kv.values[kv_head * d..], kvd, out);
     }
 
     /// Causal attention of every query head of the block's rows, each sequence's rows over its own cache

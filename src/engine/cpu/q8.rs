@@ -284,8 +284,10 @@ pub mod avx2 {
     /// Without `vpdpbusd` the same four bytes of 8 rows meet four activation bytes through `vpmaddubsw` (unsigned ×
     /// signed bytes into pairs of i16) and `vpmaddwd` (pairs into i32). A nibble pair is at most 2 · 15 · 127, so the 8
     /// pairs of a block sum in i16 before one `vpmaddwd`; Q8_0's unsigned bytes (up to 255) could overflow a pair, so
-    /// they are split into even and odd bytes as i16 and multiplied by `vpmaddwd` directly. Either way each lane gets
-    /// the block's exact sum, then the same conversion and multiply-adds as every other kernel. The 8 rows' bytes
+    /// each byte is split into its nibbles, summed as Q4's are, and the high nibbles' sum counts 16 times (two
+    /// `vpmaddubsw` a word where Q4 has one: splitting into even and odd bytes for `vpmaddwd` cost twice the other
+    /// instructions for the same number of multiplies). Either way each lane gets the block's exact sum, then the same
+    /// conversion and multiply-adds as every other kernel. The 8 rows' bytes
     /// reach their lanes through 16-byte loads and a transpose (`words`), not gathers: AMD's Zen cores run
     /// `vpgatherdd` as microcode, and five gathers a block took ≈ 2/3 of a sampled sweep's time on a Zen 3.
     ///
@@ -296,7 +298,7 @@ pub mod avx2 {
     pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
         let rows = w.len() / nb;
         let size = std::mem::size_of::<B>();
-        let (low4, low_bytes, flip, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(0xff), _mm256_set1_epi8(-128), _mm256_set1_epi16(1));
+        let (low4, flip) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(-128));
         let zero = _mm256_setzero_si256();
         for first in (0..rows).step_by(8) {
             let lanes = (rows - first).min(8);
@@ -314,8 +316,9 @@ pub mod avx2 {
                 } else {
                     _mm256_mul_ps(d, _mm256_set1_ps(B::OFFSET_TIMES_D))
                 };
-                // values[t]: elements 4t .. 4t + 4 of each row's block, as unsigned bytes.
-                let mut values = [zero; 8];
+                // values[t]: elements 4t .. 4t + 4 of each row's block, as unsigned bytes (Q8_0: their low nibbles,
+                // and high_nibbles[t] the high ones).
+                let (mut values, mut high_nibbles) = ([zero; 8], [zero; 8]);
                 if B::NIBBLES {
                     for (u, v) in words(&group, at + B::VALUES).into_iter().enumerate() {
                         values[u] = _mm256_and_si256(v, low4);
@@ -324,32 +327,25 @@ pub mod avx2 {
                 } else {
                     let (low, high) = (words(&group, at + B::VALUES), words(&group, at + B::VALUES + 16));
                     for (t, v) in low.into_iter().chain(high).enumerate() {
-                        values[t] = _mm256_xor_si256(v, flip);
+                        let v = _mm256_xor_si256(v, flip);
+                        values[t] = _mm256_and_si256(v, low4);
+                        high_nibbles[t] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
                     }
                 }
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    let qa = a.qs.as_ptr().add((j * nb + b) * QK);
-                    let s = if B::NIBBLES {
-                        let mut pairs = zero;
-                        for (t, v) in values.iter().enumerate() {
-                            let four = std::ptr::read_unaligned(qa.add(4 * t) as *const i32);
-                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(*v, _mm256_set1_epi32(four)));
-                        }
-                        _mm256_madd_epi16(pairs, ones)
-                    } else {
-                        let mut s = zero;
-                        for (t, v) in values.iter().enumerate() {
-                            let four = _mm256_set1_epi32(std::ptr::read_unaligned(qa.add(4 * t) as *const i32));
-                            // Activation bytes 0 and 2, and 1 and 3, each widened to i16 with its sign.
-                            let (even, odd) = (_mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(four)), _mm256_srai_epi16::<8>(four));
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(*v, low_bytes), even));
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16::<8>(*v), odd));
-                        }
-                        s
-                    };
+                let qa = |j: usize| a.qs.as_ptr().add((j * nb + b) * QK);
+                let finish = |acc: &mut __m256, j: usize, s: __m256i| {
                     let scale = _mm256_mul_ps(d, _mm256_set1_ps(*a.d.get_unchecked(j * nb + b)));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *acc);
                     *acc = _mm256_fmadd_ps(offset, _mm256_set1_ps(*a.sums.get_unchecked(j * nb + b)), *acc);
+                };
+                for j in (0..N / 2).map(|p| 2 * p) {
+                    let [first, second] = block_sums::<2, B>(&values, &high_nibbles, [qa(j), qa(j + 1)]);
+                    finish(&mut acc[j], j, first);
+                    finish(&mut acc[j + 1], j + 1, second);
+                }
+                if N % 2 == 1 {
+                    let [last] = block_sums::<1, B>(&values, &high_nibbles, [qa(N - 1)]);
+                    finish(&mut acc[N - 1], N - 1, last);
                 }
             }
             for (j, acc) in acc.iter().enumerate() {
@@ -360,6 +356,30 @@ pub mod avx2 {
                 }
             }
         }
+    }
+
+    /// The exact sums of one block of 8 weight rows (`values`, and `high_nibbles` for Q8_0) with each of R
+    /// activation blocks (`qa`): lane r of sum i is row r's. Two activation rows a call share each load of the
+    /// weights: Q8_0's 16 vectors do not fit beside the sums in AVX2's 16 registers and are read from the stack.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn block_sums<const R: usize, B: VectorBlock>(values: &[__m256i; 8], high_nibbles: &[__m256i; 8], qa: [*const i8; R]) -> [__m256i; R] {
+        let four = |i: usize, t: usize| _mm256_set1_epi32(std::ptr::read_unaligned(qa[i].add(4 * t) as *const i32));
+        let (zero, ones) = (_mm256_setzero_si256(), _mm256_set1_epi16(1));
+        let (mut low, mut high) = ([zero; R], [zero; R]);
+        for t in 0..8 {
+            for i in 0..R {
+                let four = four(i, t);
+                low[i] = _mm256_add_epi16(low[i], _mm256_maddubs_epi16(values[t], four));
+                if !B::NIBBLES {
+                    high[i] = _mm256_add_epi16(high[i], _mm256_maddubs_epi16(high_nibbles[t], four));
+                }
+            }
+        }
+        std::array::from_fn(|i| match B::NIBBLES {
+            true => _mm256_madd_epi16(low[i], ones),
+            false => _mm256_add_epi32(_mm256_madd_epi16(high[i], _mm256_set1_epi16(16)), _mm256_madd_epi16(low[i], ones)),
+        })
     }
 
     /// The four 32-bit words at byte `at` of each of 8 rows (`rows[r]` + `at`), transposed: word u of row r goes to
