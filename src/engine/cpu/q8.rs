@@ -287,9 +287,9 @@ pub mod avx2 {
     /// each byte is split into its nibbles, summed as Q4's are, and the high nibbles' sum counts 16 times (two
     /// `vpmaddubsw` a word where Q4 has one: splitting into even and odd bytes for `vpmaddwd` cost twice the other
     /// instructions for the same number of multiplies). Either way each lane gets the block's exact sum, then the same
-    /// conversion and multiply-adds as every other kernel. The 8 rows' bytes
-    /// reach their lanes through 16-byte loads and a transpose (`words`), not gathers: AMD's Zen cores run
-    /// `vpgatherdd` as microcode, and five gathers a block took ≈ 2/3 of a sampled sweep's time on a Zen 3.
+    /// conversion and multiply-adds as every other kernel. The 8 rows' bytes reach their lanes through 16-byte loads
+    /// and a transpose (`words`), not gathers: AMD's Zen cores run `vpgatherdd` as microcode, and five gathers a block
+    /// took ≈ 2/3 of a sampled sweep's time on a Zen 3.
     ///
     /// # Safety
     /// On a CPU with avx2, fma and f16c; `w` is whole rows of `nb` blocks, `a` holds N rows of `nb` blocks and `out`
