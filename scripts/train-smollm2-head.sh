@@ -10,7 +10,9 @@
 # MT-Bench. Six epochs over all three against the Brown keep set at ratio 0.75 (the teacher distribution over the
 # 12,289 most frequent ids, FR-Spec's own idea applied to training: a step costs a quarter of a full-vocabulary one),
 # true features only. About 10,100 s when timed (results/train/smollm2-135m-eagle1.md); since 2026-12-03 a training
-# step takes ≈ 0.73-0.78 of its time then and an answer ≈ 0.86 (results/train/training-speed-2026-12-03.md).
+# step takes ≈ 0.73-0.78 of its time then and an answer ≈ 0.86 (results/train/training-speed-2026-12-03.md). Then
+# two epochs from that head over the first 2,400 distinct ShareGPT requests answered by the target (lr 3e-4, warm-up
+# 20): 3,426 s on the AVX2 VM of 2026-12-03, +0.057 acceptance length on MT-Bench.
 #
 # eagle3 (heads/smollm2-135m-eagle3/, preset smollm2-eagle3): the first 2,400 distinct ShareGPT requests answered by
 # the target, its residual streams entering layers 2, 15 and 27 kept; a draft vocabulary of the 8,192 ids its
@@ -31,12 +33,16 @@ frspec=${1:-$(scripts/frspec-bin.sh)}
 shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
+[ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
+# Each recipe has two stages; the second starts from the first's head with fresh optimizer moments and a schedule of
+# its own (--init-from).
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
-          recipe=(--prompts 2400 --continuations 1500 --self-prompts 2800 --freq brown-smollm2 --ratio 0.75); steps=10050 ;;
-  eagle3) [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
-          run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
-          recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400 ;;
+          recipe=(--prompts 2400 --continuations 1500 --self-prompts 2800 --freq brown-smollm2 --ratio 0.75); steps=10050
+          second=(--prompts 0 --sharegpt 2400 --freq brown-smollm2 --ratio 0.75); second_name=sg2400-2ep ;;
+  eagle3) run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
+          recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400
+          second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2 ;;
 esac
 start=$(date +%s)
 train() {
@@ -44,11 +50,9 @@ train() {
     --batch 4 --checkpoint-every 100 --seed 0 "$@"
 }
 train --out "$run" --lr 1e-3 --warmup 40 --steps "$steps" "${recipe[@]}" "$@"
-if [ "$arch" = eagle3 ]; then
-  first=$run
-  run=$first-restart2
-  train --out "$run" --lr 3e-4 --warmup 20 --steps 1200 "${recipe[@]}" --teacher-from "$first" --init-from "$first"
-fi
+first=$run
+run=$first-$second_name
+train --out "$run" --lr 3e-4 --warmup 20 --steps 1200 "${second[@]}" --init-from "$first"
 echo "recipe wall time: $(( $(date +%s) - start )) s"
 head=heads/smollm2-135m-$arch
 mkdir -p "$head"
