@@ -416,6 +416,17 @@ fn teacher_data_is_reused_part_by_part() {
     assert_ne!(bytes(second.join("teacher.safetensors")), bytes(first.join("teacher.safetensors")));
     let requests: Vec<String> = serde_json::from_slice(&bytes(first.join("self-prompts.json"))).unwrap();
     assert_eq!(requests.len(), 2);
+    // Data made with other activations is other data: neither taken over nor resumed.
+    let (taker, kquants) = (dir.path().join("kquants"), [("FRSPEC_ACTIVATIONS", Path::new("kquants"))]);
+    let mut taking = vec!["train-eagle", "--target", m, "--corpus", c, "--out", taker.to_str().unwrap(), "--prompts", "2", "--self-prompts", "2"];
+    taking.extend(["--continuations", "2", "--batch", "1", "--max-new-tokens", "48", "--steps", "1", "--quiet", "--teacher-from", from]);
+    let err = fails(&taking, &kquants);
+    assert!(err.contains("none of its teacher data"), "{err}");
+    assert!(!taker.exists(), "no partial output");
+    taking[6] = first.to_str().unwrap();
+    taking.truncate(taking.len() - 2);
+    let err = fails(&taking, &kquants);
+    assert!(err.contains("holds another training run (differs in: continuations, data, self_prompts)"), "{err}");
     // Fewer of every part: the first ones of the larger folder, byte for byte what a run from nothing makes.
     let (done, fewer) = run_with("fewer", "2", "1", "1", &["--teacher-from", second.to_str().unwrap()]);
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));

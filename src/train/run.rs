@@ -363,10 +363,16 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             "max_new_tokens": o.max_new_tokens,
         });
     }
-    if !capture.is_empty() {
-        for part in ["data", "continuations", "self_prompts", "sharegpt"] {
-            if let Some(p) = identity.get_mut(part) {
+    // The target's arithmetic makes its answers and features: data made with 8-bit activations is not the data made
+    // with f32 ones. Absent for the mode every folder before this key was made in, so those folders resume.
+    let activations = crate::engine::cpu::tensor::Activations::get();
+    for part in ["data", "continuations", "self_prompts", "sharegpt"] {
+        if let Some(p) = identity.get_mut(part) {
+            if !capture.is_empty() {
                 p[LAYERS_KEY] = serde_json::json!(capture);
+            }
+            if !activations.is_unnamed() {
+                p["activations"] = serde_json::json!(activations.name());
             }
         }
     }
