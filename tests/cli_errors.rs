@@ -393,13 +393,16 @@ fn teacher_data_is_reused_part_by_part() {
     let corpus = twelve_line_corpus(dir.path());
     let model = synthetic_dir();
     let (m, c) = (model.path().to_str().unwrap(), corpus.to_str().unwrap());
-    let run_with = |out: &str, prompts: &str, continuations: &str, self_prompts: &str, extra: &[&str]| {
-        let out = dir.path().join(out);
+    let args_for = |out: &Path, prompts: &str, continuations: &str, self_prompts: &str, extra: &[&str]| -> Vec<String> {
         let mut args = vec!["train-eagle", "--target", m, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", prompts, "--self-prompts", self_prompts];
         // Requests the target writes itself need room to end their turn.
         args.extend(["--continuations", continuations, "--batch", "1", "--max-new-tokens", "48", "--steps", "1", "--quiet"]);
         args.extend(extra);
-        (frspec().args(&args).output().unwrap(), out)
+        args.into_iter().map(String::from).collect()
+    };
+    let run_with = |out: &str, prompts: &str, continuations: &str, self_prompts: &str, extra: &[&str]| {
+        let out = dir.path().join(out);
+        (frspec().args(args_for(&out, prompts, continuations, self_prompts, extra)).output().unwrap(), out)
     };
     let run = |out: &str, prompts: &str, self_prompts: &str, extra: &[&str]| run_with(out, prompts, "2", self_prompts, extra);
     let (done, first) = run("first", "2", "2", &[]);
@@ -417,15 +420,13 @@ fn teacher_data_is_reused_part_by_part() {
     let requests: Vec<String> = serde_json::from_slice(&bytes(first.join("self-prompts.json"))).unwrap();
     assert_eq!(requests.len(), 2);
     // Data made with other activations is other data: neither taken over nor resumed.
-    let (taker, kquants) = (dir.path().join("kquants"), [("FRSPEC_ACTIVATIONS", Path::new("kquants"))]);
-    let mut taking = vec!["train-eagle", "--target", m, "--corpus", c, "--out", taker.to_str().unwrap(), "--prompts", "2", "--self-prompts", "2"];
-    taking.extend(["--continuations", "2", "--batch", "1", "--max-new-tokens", "48", "--steps", "1", "--quiet", "--teacher-from", from]);
-    let err = fails(&taking, &kquants);
+    let kquants = [("FRSPEC_ACTIVATIONS", Path::new("kquants"))];
+    let fails_in_kquants = |out: &Path, extra: &[&str]| fails(&args_for(out, "2", "2", "2", extra).iter().map(String::as_str).collect::<Vec<_>>(), &kquants);
+    let taker = dir.path().join("kquants");
+    let err = fails_in_kquants(&taker, &["--teacher-from", from]);
     assert!(err.contains("none of its teacher data"), "{err}");
     assert!(!taker.exists(), "no partial output");
-    taking[6] = first.to_str().unwrap();
-    taking.truncate(taking.len() - 2);
-    let err = fails(&taking, &kquants);
+    let err = fails_in_kquants(&first, &[]);
     assert!(err.contains("holds another training run (differs in: continuations, data, self_prompts)"), "{err}");
     // Fewer of every part: the first ones of the larger folder, byte for byte what a run from nothing makes.
     let (done, fewer) = run_with("fewer", "2", "1", "1", &["--teacher-from", second.to_str().unwrap()]);
