@@ -526,8 +526,11 @@ impl<'a> Weights<'a> {
     /// Logits over the head's vocabulary: through the target's LM head rows `target_head` (EAGLE-1) or the head's
     /// own.
     fn logits(&self, out: &Tensor, target_head: &Tensor, eps: f64) -> Result<Tensor> {
-        let head = self.eagle3.as_ref().map_or(target_head, |e| e.lm_head);
-        Ok(self.head_input(out, eps)?.matmul(&head.t()?)?)
+        let input = self.head_input(out, eps)?;
+        match &self.eagle3 {
+            None => ops::frozen_product(&input, target_head),
+            Some(e) => Ok(input.matmul(&e.lm_head.t()?)?),
+        }
     }
 }
 

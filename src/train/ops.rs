@@ -3,6 +3,7 @@
 
 use crate::engine::candle::llama::{causal_mask, RopeTables};
 use anyhow::Result;
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -78,6 +79,35 @@ fn shifted_down(t: &Tensor, by: usize) -> Result<Tensor> {
 fn grouped(t: &Tensor, heads: usize) -> Result<Tensor> {
     let (kv_heads, n, d) = t.dims3()?;
     Ok(t.unsqueeze(1)?.broadcast_as((kv_heads, heads / kv_heads, n, d))?.reshape((heads, n, d))?)
+}
+
+/// `x` `[rows, k]` times the transpose of `w` `[n, k]`, where `w` is frozen (the target's LM head): the same product
+/// as `x.matmul(&w.t())`, but its backward computes only the gradient of `x`. candle's matmul backward computes both
+/// operands' gradients whether or not one is trained, and the LM head's is as costly as the product itself.
+pub fn frozen_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(x.apply_op2(&w.t()?, FrozenProduct)?)
+}
+
+struct FrozenProduct;
+
+impl CustomOp2 for FrozenProduct {
+    fn name(&self) -> &'static str {
+        "frozen-product"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (&[m, k], &[k2, n]) = (l1.dims(), l2.dims()) else {
+            candle_core::bail!("frozen product: {:?} times {:?}, not two matrices", l1.dims(), l2.dims())
+        };
+        if k != k2 {
+            candle_core::bail!("frozen product: {:?} times {:?}", l1.dims(), l2.dims());
+        }
+        Ok((s1.matmul(s2, (1, m, n, k), l1, l2)?, Shape::from((m, n))))
+    }
+
+    fn bwd(&self, _x: &Tensor, wt: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.matmul(&wt.t()?)?), None))
+    }
 }
 
 /// Each row's cross-entropy −Σ_j p_j log softmax(z)_j of the logits `z` (`logits` `[rows, V]`) against the teacher
@@ -194,6 +224,23 @@ mod tests {
             assert!((f - c).abs() < 1e-5, "{fused_grad:?}\nagainst\n{composed_grad:?}");
         }
         assert!(fused_grad.iter().flatten().any(|g| g.abs() > 0.1), "{fused_grad:?}");
+    }
+
+    #[test]
+    fn the_frozen_product_equals_matmul_and_leaves_the_frozen_side_without_a_gradient() {
+        let dev = Device::Cpu;
+        let x = Var::from_vec((0..3 * 4).map(|i| (i as f32 * 0.7).sin()).collect(), (3, 4), &dev).unwrap();
+        let w = Var::from_vec((0..5 * 4).map(|i| (i as f32 * 1.3).cos()).collect(), (5, 4), &dev).unwrap();
+        let weights = Tensor::from_vec((0..15).map(|i| i as f32 - 7.0).collect::<Vec<f32>>(), (3, 5), &dev).unwrap();
+        let frozen = frozen_product(x.as_tensor(), w.as_tensor()).unwrap();
+        let plain = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+        assert_eq!(frozen.to_vec2::<f32>().unwrap(), plain.to_vec2::<f32>().unwrap());
+        let frozen_grads = frozen.mul(&weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let plain_grads = plain.mul(&weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let grad_x = |g: &candle_core::backprop::GradStore| g.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(grad_x(&frozen_grads), grad_x(&plain_grads));
+        assert!(plain_grads.get(w.as_tensor()).is_some());
+        assert!(frozen_grads.get(w.as_tensor()).is_none());
     }
 
     #[test]
