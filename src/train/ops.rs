@@ -83,9 +83,11 @@ fn grouped(t: &Tensor, heads: usize) -> Result<Tensor> {
 
 /// `x` `[rows, k]` times the transpose of `w` `[n, k]`, where `w` is frozen (the target's LM head): the same product
 /// as `x.matmul(&w.t())`, but its backward computes only the gradient of `x`. candle's matmul backward computes both
-/// operands' gradients whether or not one is trained, and the LM head's is as costly as the product itself.
+/// operands' gradients whether or not one is trained, and the LM head's is as costly as the product itself. `w` is
+/// detached so that backprop never walks into it: were it a variable, candle would wait for a gradient of it that
+/// this op does not give.
 pub fn frozen_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.apply_op2(&w.t()?, FrozenProduct)?)
+    Ok(x.apply_op2(&w.detach().t()?, FrozenProduct)?)
 }
 
 struct FrozenProduct;
