@@ -437,6 +437,17 @@ fn teacher_data_is_reused_part_by_part() {
         assert_eq!(bytes(fewer.join(part)), bytes(alone.join(part)), "{part}");
     }
     assert_ne!(bytes(fewer.join("teacher.safetensors")), bytes(second.join("teacher.safetensors")));
+    // More of the parts that grow: the smaller folder's conversations and the rest made now, byte for byte what the
+    // larger run made from nothing; self-prompted requests do not grow and are written anew.
+    let (done, grown) = run_with("grown", "3", "2", "2", &["--teacher-from", fewer.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "{said}");
+    for taken in ["teacher data: the first 2 of 3 conversations taken over", "continuations: the first 1 of 2 conversations taken over"] {
+        assert!(said.contains(taken), "{said}");
+    }
+    for part in ["teacher.safetensors", "continuations.safetensors", "self-prompts.json", "self-prompts.safetensors"] {
+        assert_eq!(bytes(grown.join(part)), bytes(second.join(part)), "{part}");
+    }
     // Another seed shares no part.
     let (done, third) = run("third", "2", "2", &["--teacher-from", from, "--seed", "3"]);
     let err = String::from_utf8_lossy(&done.stderr);
@@ -627,6 +638,11 @@ fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
     let (done, taken) = run("taken", "1", &["--sharegpt-file", f, "--teacher-from", first.to_str().unwrap()], &[]);
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     assert_eq!(std::fs::read(taken.join("sharegpt.safetensors")).unwrap(), std::fs::read(alone.join("sharegpt.safetensors")).unwrap());
+    // And the first folder's two from the one request alone, the second answered now.
+    let (done, grown) = run("grown", "2", &["--sharegpt-file", f, "--teacher-from", alone.to_str().unwrap()], &[]);
+    let said = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success() && said.contains("ShareGPT answers: the first 1 of 2 conversations taken over"), "{said}");
+    assert_eq!(std::fs::read(grown.join("sharegpt.safetensors")).unwrap(), std::fs::read(first.join("sharegpt.safetensors")).unwrap());
 
     let failed = |out: &str, count: &str, extra: &[&str], envs: &[(&str, &Path)], expected: &[&str]| {
         let (done, out) = run(out, count, extra, envs);

@@ -89,7 +89,8 @@ fn plain(quiet: bool) -> bool {
     quiet || !std::io::stderr().is_terminal()
 }
 
-type Producer<'a> = dyn FnMut(&mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
+/// Makes a part's conversations from the given index on (the ones before are cached), reporting each as it is done.
+type Producer<'a> = dyn FnMut(usize, &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
 
 // The cached teacher data, one file per part (the requests kept as JSON, for people to read too).
 const TEACHER_FILE: &str = "teacher.safetensors";
@@ -152,19 +153,21 @@ fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result
     Ok(requests)
 }
 
-/// Conversations from their cache file, or made by `make` (with progress) and cached. A cached part made without
-/// the `capture` layers (an EAGLE-1 run's, taken over) gets them from one forward of each conversation through
-/// the target, which gives what generating would have recorded, and is saved with them.
+/// Conversations from their cache file, made by `make` (with progress) where the file holds fewer than `count` — a
+/// smaller run's part taken over, which every part's prefix-stability makes the first of these — and cached. A cached
+/// part made without the `capture` layers (an EAGLE-1 run's, taken over) gets them from one forward of each
+/// conversation through the target, which gives what generating would have recorded, and is saved with them.
 fn cached(path: &Path, count: usize, label: &str, quiet: bool, target: &Target, capture: &[usize], make: &mut Producer) -> Result<Vec<Conversation>> {
     let hidden = target.model.config.hidden;
-    if path.exists() {
-        let data = load_teacher(path, hidden)?;
-        if capture.is_empty() || data.iter().all(|c| !c.layers.is_empty()) {
-            return Ok(data);
-        }
+    let mut data = if path.exists() { load_teacher(path, hidden)? } else { Vec::new() };
+    if data.len() > count {
+        bail!("{} holds {} conversations, more than the {count} of its run: it is damaged", path.display(), data.len());
+    }
+    let mut changed = false;
+    if !capture.is_empty() && data.iter().any(|c| c.layers.is_empty()) {
         let b = bar(quiet, data.len(), &format!("{label}: the target's layers {{bar:30}} {{pos}}/{{len}} conversations, ETA {{eta}}"))?;
         let started = Instant::now();
-        let mut filled = Vec::with_capacity(data.len());
+        let mut filled = Vec::with_capacity(count);
         for c in data {
             filled.push(forced(&target.model, c.tokens, c.prompt_len, capture)?);
             b.inc(1);
@@ -173,32 +176,42 @@ fn cached(path: &Path, count: usize, label: &str, quiet: bool, target: &Target, 
             }
         }
         b.finish();
-        save_teacher(path, &filled, hidden)?;
-        return Ok(filled);
+        (data, changed) = (filled, true);
     }
-    let b = bar(quiet, count, &format!("{label} {{bar:30}} {{pos}}/{{len}} conversations, {{msg}} tokens, ETA {{eta}}"))?;
-    let mut tokens = 0;
-    let (started, mut done) = (Instant::now(), 0);
-    let data = make(&mut |c| {
-        tokens += c.tokens.len();
-        done += 1;
-        b.set_message(tokens.to_string());
-        b.inc(1);
-        if plain(quiet) && done % 50 == 0 {
-            eprintln!("{label}: {done}/{count} conversations, {tokens} tokens, {:.0} s", started.elapsed().as_secs_f64());
+    if data.len() < count {
+        let from = data.len();
+        if from > 0 && plain(quiet) {
+            eprintln!("{label}: the first {from} of {count} conversations taken over, making the other {}", count - from);
         }
-    })?;
-    b.finish();
-    save_teacher(path, &data, hidden)?;
+        let b = bar(quiet, count - from, &format!("{label} {{bar:30}} {{pos}}/{{len}} conversations, {{msg}} tokens, ETA {{eta}}"))?;
+        let mut tokens = 0;
+        let (started, mut done) = (Instant::now(), 0);
+        let made = make(from, &mut |c| {
+            tokens += c.tokens.len();
+            done += 1;
+            b.set_message(tokens.to_string());
+            b.inc(1);
+            if plain(quiet) && done % 50 == 0 {
+                eprintln!("{label}: {}/{count} conversations, {tokens} tokens, {:.0} s", from + done, started.elapsed().as_secs_f64());
+            }
+        })?;
+        b.finish();
+        data.extend(made);
+        changed = true;
+    }
+    if changed {
+        save_teacher(path, &data, hidden)?;
+    }
     Ok(data)
 }
 
 /// Whether this run can take over a part of another run's teacher data, and then whether only its first `n`
-/// conversations: the part made the same way, in as many or more. Every part is prefix-stable (prompts and passages
-/// are drawn in a seeded order, each conversation is answered or read as it would be alone, requests the target
-/// writes come from one stream per attempt), so the first `n` of more are the `n` made alone. A part made without
-/// the target layers this run needs is taken too: `cached` adds them.
-fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str) -> Option<Option<usize>> {
+/// conversations: the part made the same way, in as many or more — or, for a part that `grows`, in fewer, which
+/// `cached` then completes. Every part is prefix-stable (prompts and passages are drawn in a seeded order, each
+/// conversation is answered or read as it would be alone, requests the target writes come from one stream per
+/// attempt), so the first `n` of more are the `n` made alone, and fewer made alone are the first of more. A part made
+/// without the target layers this run needs is taken too: `cached` adds them.
+fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str, grows: bool) -> Option<Option<usize>> {
     let count = |v: &serde_json::Value| v.get(count_key).and_then(|c| c.as_u64());
     let (n, available) = (count(ours)?, count(theirs)?);
     if n == 0 {
@@ -209,7 +222,7 @@ fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str) 
     if let (Some(layers), None) = (ours.get(LAYERS_KEY), theirs.get(LAYERS_KEY)) {
         same_count[LAYERS_KEY] = layers.clone();
     }
-    (same_count == *ours && available >= n).then_some((available > n).then_some(n as usize))
+    (same_count == *ours && (available >= n || (grows && available > 0))).then_some((available > n).then_some(n as usize))
 }
 
 /// Copy a teacher-data file of another run, or only its first `take` conversations (requests).
@@ -383,20 +396,21 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     if let Some(other) = &o.teacher_from {
         let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
-        let parts: [(&str, &str, &[&str]); 4] = [
-            ("data", "prompts", &[TEACHER_FILE]),
-            ("continuations", "count", &[CONTINUATIONS_FILE]),
-            ("self_prompts", "count", &[REQUESTS_FILE, SELF_PROMPTED_FILE]),
-            ("sharegpt", "count", &[SHAREGPT_FILE]),
+        // Self-prompted requests do not grow: a run asking for more writes them all anew.
+        let parts: [(&str, &str, &[&str], bool); 4] = [
+            ("data", "prompts", &[TEACHER_FILE], true),
+            ("continuations", "count", &[CONTINUATIONS_FILE], true),
+            ("self_prompts", "count", &[REQUESTS_FILE, SELF_PROMPTED_FILE], false),
+            ("sharegpt", "count", &[SHAREGPT_FILE], true),
         ];
-        for (part, count_key, files) in parts {
-            if let Some(take) = identity.get(part).and_then(|ours| taken(ours, theirs.get(part)?, count_key)) {
+        for (part, count_key, files, grows) in parts {
+            if let Some(take) = identity.get(part).and_then(|ours| taken(ours, theirs.get(part)?, count_key, grows)) {
                 reuse.extend(files.iter().map(|name| (other.join(name), o.out.join(name), take)));
             }
         }
         if reuse.is_empty() {
             bail!(
-                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted or ShareGPT conversations) was made from this target, corpus, answer length and seed in at least this count",
+                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted or ShareGPT conversations) was made from this target, corpus, answer length and seed (self-prompted ones in at least this count)",
                 other.display()
             );
         }
@@ -432,25 +446,25 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     }
     let mut data = Vec::new();
     if !prompts.is_empty() {
-        data.extend(cache_part(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", &mut |on_done| {
-            teacher_data(&target, &prompts, o.max_new_tokens, &capture, on_done)
+        data.extend(cache_part(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", &mut |from, on_done| {
+            teacher_data(&target, &prompts[from..], o.max_new_tokens, &capture, on_done)
         })?);
     }
     if !continuations.is_empty() {
-        data.extend(cache_part(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", &mut |on_done| {
-            teacher_forced(&target, &continuations, o.max_new_tokens, &capture, on_done)
+        data.extend(cache_part(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", &mut |from, on_done| {
+            teacher_forced(&target, &continuations[from..], o.max_new_tokens, &capture, on_done)
         })?);
     }
 
     if o.self_prompts > 0 {
         let requests = cached_self_prompts(&o.out.join(REQUESTS_FILE), &target, o)?;
-        data.extend(cache_part(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", &mut |on_done| {
-            teacher_data(&target, &requests, o.max_new_tokens, &capture, on_done)
+        data.extend(cache_part(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", &mut |from, on_done| {
+            teacher_data(&target, &requests[from..], o.max_new_tokens, &capture, on_done)
         })?);
     }
     if let Some((requests, _)) = &sharegpt {
-        data.extend(cache_part(&o.out.join(SHAREGPT_FILE), requests.len(), "ShareGPT answers", &mut |on_done| {
-            teacher_data(&target, requests, o.max_new_tokens, &capture, on_done)
+        data.extend(cache_part(&o.out.join(SHAREGPT_FILE), requests.len(), "ShareGPT answers", &mut |from, on_done| {
+            teacher_data(&target, &requests[from..], o.max_new_tokens, &capture, on_done)
         })?);
     }
     let keep = match (s.arch, init_vocabulary) {
