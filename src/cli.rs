@@ -300,7 +300,8 @@ pub enum Command {
         #[arg(long)]
         draft_vocab: Option<usize>,
         /// Reuse the teacher data of another training folder made from the same target, corpus and seed, in as many
-        /// conversations or more (then its first ones).
+        /// conversations or more (then its first ones), or in fewer (then the rest made here; self-prompted requests
+        /// are written anew).
         #[arg(long)]
         teacher_from: Option<PathBuf>,
         /// Start from this head (a folder train-eagle exported) instead of initial weights: its weights, fresh
