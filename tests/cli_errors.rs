@@ -643,6 +643,11 @@ fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
     let said = String::from_utf8_lossy(&done.stderr);
     assert!(done.status.success() && said.contains("ShareGPT answers: the first 1 of 2 conversations taken over"), "{said}");
     assert_eq!(std::fs::read(grown.join("sharegpt.safetensors")).unwrap(), std::fs::read(first.join("sharegpt.safetensors")).unwrap());
+    // A part holding more conversations than its run asks for is damaged, not a prefix to take: one error.
+    std::fs::copy(first.join("sharegpt.safetensors"), alone.join("sharegpt.safetensors")).unwrap();
+    let (done, _) = run("alone", "1", &["--sharegpt-file", f], &[]);
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.code() == Some(1) && err.contains("sharegpt.safetensors holds 2 conversations, more than the 1 of its run: it is damaged") && err.lines().filter(|l| l.starts_with("error")).count() == 1, "{err}");
 
     let failed = |out: &str, count: &str, extra: &[&str], envs: &[(&str, &Path)], expected: &[&str]| {
         let (done, out) = run(out, count, extra, envs);
