@@ -383,12 +383,22 @@ pub fn pool() -> &'static rayon::ThreadPool {
     POOL.get_or_init(|| rayon::ThreadPoolBuilder::new().thread_name(|i| format!("frspec-{i}")).build().expect("thread pool"))
 }
 
+/// How long a spinner of `with_pool_awake` polls without finding work before it ends: far longer than the gaps between
+/// two products of a forward pass (tens of microseconds), and the longest a thread that picked the spinner up inside
+/// the forward's own work can hold that work back.
+const SPIN_IDLE_LIMIT: std::time::Duration = std::time::Duration::from_micros(500);
+
 /// Runs `f` on the pool (as `pool().install`) with the pool's other threads kept awake until it returns: each polls
 /// for work (`rayon::yield_now`) instead of going to sleep between two products. On a virtual machine a sleeping thread
 /// halts its virtual CPU, and a decode step wakes it for each of its ~120 parallel regions: one thread ran as fast as
 /// llama.cpp's one thread, two ran slower than llama.cpp's two until they were kept awake
 /// (`results/bench/kquants-2026-12-01.md`). The waiting threads yield to any other runnable thread, and hold their
 /// cores only while a forward pass runs.
+///
+/// A spinner is a rayon job, and rayon may start a job on a thread that is itself waiting inside `f`'s work (a join
+/// whose other half was stolen): that thread cannot return to `f` until the spinner ends. So a spinner also ends once
+/// it has found no work for `SPIN_IDLE_LIMIT`; a spinner that waited for `done` alone deadlocked such a thread and with
+/// it the forward: with 16 threads a few thousand calls sufficed (`tests/pool_awake.rs`).
 pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     use std::sync::atomic::{AtomicBool, Ordering};
     /// Sets the flag however `f` ends, so that a panic in `f` cannot leave the spinners spinning.
@@ -405,10 +415,15 @@ pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         // One spinner here and the rest handed on: `join` lets an idle thread take the second half.
         rayon::join(
             || {
+                let mut last_work = std::time::Instant::now();
                 while !done.load(Ordering::Acquire) {
-                    // Idle: give the core to any other runnable thread (tests run side by side, a user's other
-                    // work); with none, the call returns at once and the virtual CPU stays up.
-                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                        last_work = std::time::Instant::now();
+                    } else if last_work.elapsed() > SPIN_IDLE_LIMIT {
+                        return;
+                    } else {
+                        // Idle: give the core to any other runnable thread (tests run side by side, a user's other
+                        // work); with none, the call returns at once and the virtual CPU stays up.
                         std::thread::yield_now();
                     }
                 }
