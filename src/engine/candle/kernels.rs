@@ -6,7 +6,7 @@
 
 use crate::engine::cpu::model::RopeStyle;
 use anyhow::Result;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, InplaceOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor, WithDType};
 
 /// Rotate the first `heads` heads (queries, then keys) of every row of `qkv` `[n, width]` in place, row i with
 /// `cos`, `sin` `[n, head_dim / 2]` (f32). One launch where RoPE of queries and of keys took two, plus copies.
@@ -86,11 +86,12 @@ pub fn rows_attention(qkv: &Tensor, pool: &Tensor, at: &Tensor, heads: usize, lo
     Ok(qkv.apply_op3_no_bwd(pool, at, &RowsAttention { heads, longest })?)
 }
 
-/// Whether `rows_attention` takes rows attending over up to `len` positions of head dimension `d`: its scores live in
-/// 48 KiB of shared memory on a GPU (with the query row and 1,024 partial sums), and past a few thousand positions
-/// one block per head no longer keeps up.
-pub fn rows_attention_fits(len: usize, d: usize) -> bool {
-    len <= 8192 && d <= 256
+/// Whether `rows_attention` takes rows attending over up to `len` positions of head dimension `d` in `dtype`: its
+/// scores live in 48 KiB of shared memory on a GPU (with the query row and `ATTENTION_THREADS` × 16 bytes of partial
+/// sums), past a few thousand positions one block per head no longer keeps up, and its loads are 16-byte vectors of
+/// a head's row.
+pub fn rows_attention_fits(len: usize, d: usize, dtype: DType) -> bool {
+    len <= 8192 && d <= 256 && (d * dtype.size_in_bytes()) % 16 == 0
 }
 
 struct RotateQk {
@@ -421,6 +422,11 @@ mod cuda {
         };
     }
 
+    /// Threads of a `rows_attention` block (one block per row and query head): few enough that eight blocks share a
+    /// multiprocessor when a forward has many rows, enough that one decode row's block reads its keys and values in
+    /// one or two rounds of loads.
+    const ATTENTION_THREADS: usize = 256;
+
     fn grid(blocks: usize, threads: usize, shared: usize) -> LaunchConfig {
         LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: shared as u32 }
     }
@@ -543,9 +549,10 @@ mod cuda {
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(rows * op.heads * d)? };
             let scale = 1.0f32 / (d as f32).sqrt();
-            // Shared memory holds the longest row's scores, the query row and a partial row per group of d threads.
-            let threads = 1024 / d * d;
-            launch!(dev, "rows_attention", s1.dtype(), grid(rows * op.heads, threads, 4 * (op.longest + d + threads)), |b| {
+            // Shared memory holds the longest row's scores, the query row and a partial row per group of threads that
+            // reads a whole value row in 16-byte vectors.
+            let groups = ATTENTION_THREADS / (d * s1.dtype().size_in_bytes() / 16);
+            launch!(dev, "rows_attention", s1.dtype(), grid(rows * op.heads, ATTENTION_THREADS, 4 * (op.longest + d + groups * d)), |b| {
                 b.arg(&qkv);
                 b.arg(&pool);
                 b.arg(&at);

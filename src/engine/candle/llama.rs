@@ -494,7 +494,7 @@ impl Cache {
         let segments: Vec<Segment> = caches.iter().zip(rows).map(|(c, &rows)| Segment { slot: c.slot, start: c.len, rows }).collect();
         let longest = segments.iter().map(|s| s.start + s.rows).max().unwrap_or(0);
         let at: Vec<u32> = segments.iter().flat_map(|s| (s.start..s.start + s.rows).flat_map(move |p| [s.slot as u32, p as u32])).collect();
-        let fused = caches.iter().all(|c| c.attention == Attention::Fused) && rows_attention_fits(longest, pool.head_dim);
+        let fused = caches.iter().all(|c| c.attention == Attention::Fused) && rows_attention_fits(longest, pool.head_dim, pool.dtype);
         let mut state = pool.state();
         pool.reserve(&mut state, segments.iter().map(|s| s.slot + 1).max().unwrap_or(0), longest)?;
         let placed = Placed { at: Tensor::from_vec(at, (rows.iter().sum::<usize>(), 2), &pool.device)?, segments, longest, fused };
