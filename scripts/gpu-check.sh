@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU and no network, with a frspec built elsewhere by
 #   eval "$(scripts/cuda-toolchain.sh)" && cargo build --release --features cuda
-# Downloads nothing: every model is synthetic. All four parts took about 75 s on one H200 (six runs, 2026-11-30),
-# before part 3 measured the batched loop too (not yet timed on a GPU). In the batched loop every slot's keys and
-# values are one slot of a pool a layer, and one launch a layer attends all slots' rows (since 2026-12-02; not yet run
-# on a GPU); the slots' EAGLE layers run in one forward a drafting position, and slots sharing a head (here all of
-# them: one ratio) take one head product per position; a real sweep spreads its slots over the ratios, so there a
-# head is shared by about B / ratios slots.
+# Downloads nothing: every model is synthetic. Parts 1-3 took about 150 s on one H200 (2026-12-04, the batched loop
+# included); part 4 did not finish there: its first CPU-engine sweep made no unit in 7 minutes (16 threads; the
+# deadlock of with_pool_awake fixed in b644a10 is the likely cause), so each of its sweeps now stops after 2 minutes
+# and fails the check instead of spending the GPU's time. In the batched loop every slot's keys and values are one
+# slot of a pool a layer, and one launch a layer attends all slots' rows; the slots' EAGLE layers run in one forward
+# a drafting position, and slots sharing a head (here all of them: one ratio) take one head product per position; a
+# real sweep spreads its slots over the ratios, so there a head is shared by about B / ratios slots.
 #   1. agreement: greedy tokens of a synthetic model in f32 on the GPU against the CPU engine (exit 1 if they differ)
 #   2. bench head at Llama-3.1 size (H 4096, V 128256) in bf16, B = 1 … 1024, every ratio
 #   3. bench decode at Llama-3.1-8B shape in bf16 (random weights): target-only tokens/s, verification passes of
@@ -108,8 +109,10 @@ compare_engines() {
   local sweep=(sweep --model "$work/sweep-target" "$@" --freq "$work/freq.safetensors" --dataset "$work/questions.jsonl"
                --ratios 0,0.5,0.9 --temperatures 0,1 --repeats 2 --max-new-tokens 48 --k 4 --batch 8 --quiet)
   echo "-- drafted by $name"
-  "$bin" "${sweep[@]}" --out "$out/sweep-$name-cpu" > "$out/sweep-$name-cpu.txt"
-  "$bin" "${sweep[@]}" --device cuda --dtype f32 --out "$out/sweep-$name-cuda" > "$out/sweep-$name-cuda.txt"
+  timeout 120 "$bin" "${sweep[@]}" --out "$out/sweep-$name-cpu" > "$out/sweep-$name-cpu.txt" \
+    || { echo "sweep on the CPU engine failed or ran past 2 minutes"; status=1; return; }
+  timeout 120 "$bin" "${sweep[@]}" --device cuda --dtype f32 --out "$out/sweep-$name-cuda" > "$out/sweep-$name-cuda.txt" \
+    || { echo "sweep on the GPU failed or ran past 2 minutes"; status=1; return; }
   "$bin" check --baseline "$out/sweep-$name-cpu" --current "$out/sweep-$name-cuda" > "$out/sweep-$name-check.txt" || status=1
   grep "T=0 mean acceptance length" "$out/sweep-$name-cuda.txt" || true
   tail -n 3 "$out/sweep-$name-check.txt"
