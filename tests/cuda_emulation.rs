@@ -1,5 +1,6 @@
-//! The CUDA attention kernel, as written in src/engine/candle/kernels.cu, run on the CPU by an emulation of its
-//! threads (tests/cuda_emulation/attention.cpp) and checked against attention in double: no GPU is lent to CI.
+//! frspec's CUDA kernels for attention and argmax, as written in src/engine/candle/kernels.cu, run on the CPU by an
+//! emulation of their threads (tests/cuda_emulation/kernels.cpp) and checked against references computed there: no
+//! GPU is lent to CI.
 
 use std::path::Path;
 use std::process::Command;
@@ -12,10 +13,11 @@ fn cut<'a>(source: &'a str, from: &str, to: &str) -> &'a str {
 }
 
 #[test]
-fn attention_kernel_equals_attention_in_double() {
+fn attention_and_argmax_kernels_equal_their_references() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let kernels = std::fs::read_to_string(root.join("src/engine/candle/kernels.cu")).expect("kernels.cu");
-    // The block reduction and the attention kernel, with CUDA's block-shared memory made the emulation's.
+    // The block reduction, the attention kernel and the argmax kernels, with CUDA's block-shared memory made the
+    // emulation's.
     let snippet = [
         cut(&kernels, "// Sum (or max) over the block", "// Rows of qkv [rows, width] (queries first"),
         cut(&kernels, "// Every query row of qkv [rows, width]", "// y [n] = w [n, k]"),
@@ -25,8 +27,8 @@ fn attention_kernel_equals_attention_in_double() {
     .replace("__shared__", "static");
     let dir = tempfile::tempdir().expect("temporary folder");
     std::fs::write(dir.path().join("kernel_snippet.h"), snippet).expect("write the kernel");
-    let harness = root.join("tests/cuda_emulation/attention.cpp");
-    let binary = dir.path().join("attention");
+    let harness = root.join("tests/cuda_emulation/kernels.cpp");
+    let binary = dir.path().join("kernels");
     let built = Command::new("g++")
         .args(["-std=c++20", "-O1", "-pthread", "-I"])
         .arg(dir.path())
@@ -38,6 +40,6 @@ fn attention_kernel_equals_attention_in_double() {
     assert!(built.status.success(), "g++ failed:\n{}", String::from_utf8_lossy(&built.stderr));
     let ran = Command::new(&binary).output().expect("the emulation runs");
     let report = String::from_utf8_lossy(&ran.stdout);
-    assert!(ran.status.success(), "the kernel's outputs differ from attention in double:\n{report}");
-    assert_eq!(report.lines().filter(|l| l.ends_with("(ok)")).count(), 5, "{report}");
+    assert!(ran.status.success(), "a kernel's outputs differ from its reference:\n{report}");
+    assert_eq!(report.lines().filter(|l| l.ends_with("(ok)")).count(), 8, "{report}");
 }

@@ -19,6 +19,17 @@ pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
     Ok(gate_up.apply_op1_no_bwd(&SiluMul)?)
 }
 
+/// The index of the largest value of each row of `x` (the last dimension; ties to the lower index, as
+/// `crate::sampling::argmax`), `u32`: on a GPU in two launches over chunks of every row, where candle's argmax runs
+/// one block a row.
+pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let Some((&cols, outer)) = dims.split_last() else { anyhow::bail!("argmax of a scalar") };
+    // Rows a stride apart (a head's kept columns of a padded product) are read where they lie.
+    let rows = if x.rank() == 2 && x.stride()[1] == 1 { x.clone() } else { x.contiguous()?.reshape((x.elem_count() / cols.max(1), cols))? };
+    Ok(rows.apply_op1_no_bwd(&ArgmaxRows)?.reshape(outer)?)
+}
+
 /// Whether `x` · `w`ᵀ (and `others` beside them) runs through frspec's matrix-vector kernels: one row on a GPU, every
 /// operand contiguous and 16-byte aligned, rows a multiple of 16 bytes.
 fn takes_matvec(x: &Tensor, w: &Tensor, others: &[&Tensor]) -> Result<bool> {
@@ -101,6 +112,8 @@ struct RotateQk {
 }
 
 struct SiluMul;
+
+struct ArgmaxRows;
 
 struct Matvec;
 
@@ -218,6 +231,41 @@ impl CustomOp1 for SiluMul {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         cuda::silu_mul(s, l)
+    }
+}
+
+impl CustomOp1 for ArgmaxRows {
+    fn name(&self) -> &'static str {
+        "argmax-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, cols, stride, o) = strided_rows(l)?;
+        fn f<T: WithDType>(x: &[T], rows: usize, cols: usize, stride: usize, o: usize) -> Vec<u32> {
+            let row = |r: usize| x[o + r * stride..o + r * stride + cols].iter().map(|v| v.to_f64() as f32).collect::<Vec<_>>();
+            (0..rows).map(|r| crate::sampling::argmax(&row(r))).collect()
+        }
+        let out = match s {
+            CpuStorage::F32(x) => f(x, rows, cols, stride, o),
+            CpuStorage::BF16(x) => f(x, rows, cols, stride, o),
+            CpuStorage::F16(x) => f(x, rows, cols, stride, o),
+            _ => candle_core::bail!("argmax-rows: f32, bf16 or f16 rows"),
+        };
+        Ok((CpuStorage::U32(out), Shape::from(rows)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::argmax_rows(s, l)
+    }
+}
+
+/// A layout of rows `[rows, cols]` whose values are contiguous, each row `stride` apart from the one before, the first
+/// at offset `o`: (rows, cols, stride, o).
+fn strided_rows(l: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
+    match (l.dims(), l.stride()) {
+        (&[rows, cols], &[stride, 1]) => Ok((rows, cols, stride, l.start_offset())),
+        (dims, _) => candle_core::bail!("argmax-rows: rows [n, cols] of contiguous values, not {dims:?} as laid out"),
     }
 }
 
@@ -466,6 +514,36 @@ mod cuda {
         }
         let out = by_dtype!(s.dtype(), "silu-mul", typed(s, l))?;
         Ok((out, Shape::from((l.dims()[0], l.dims()[1] / 2))))
+    }
+
+    /// Values of a row one block of `argmax_chunks` reads (16 a thread).
+    const ARGMAX_CHUNK: usize = 4096;
+
+    pub(super) fn argmax_rows(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn typed<T: CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+            let (rows, cols, stride, o) = super::strided_rows(l)?;
+            let chunks = cols.div_ceil(ARGMAX_CHUNK);
+            let dev = &s.device;
+            let x = s.as_cuda_slice::<T>()?.slice(o..o + (rows - 1) * stride + cols);
+            // SAFETY: the first launch writes every (row, chunk) entry, the second every row.
+            let (best, at, out) = unsafe { (dev.alloc::<f32>(rows * chunks)?, dev.alloc::<u32>(rows * chunks)?, dev.alloc::<u32>(rows)?) };
+            let by_chunk = LaunchConfig { grid_dim: (chunks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            launch!(dev, "argmax_chunks", s.dtype(), by_chunk, |b| {
+                b.arg(&x);
+                b.arg(&best);
+                b.arg(&at);
+                builder_arg!(b, cols as i32, stride as i64, ARGMAX_CHUNK as i32);
+            });
+            launch!(dev, "argmax_pick", DType::U32, grid(rows, 256, 0), |b| {
+                b.arg(&best);
+                b.arg(&at);
+                b.arg(&out);
+                builder_arg!(b, chunks as i32);
+            });
+            Ok(u32::wrap_cuda_slice(out, dev.clone()))
+        }
+        let out = by_dtype!(s.dtype(), "argmax-rows", typed(s, l))?;
+        Ok((out, Shape::from(l.dims()[0])))
     }
 
     pub(super) fn matvec(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {

@@ -5,7 +5,7 @@
 use super::kernels::{normed_product, product, product_plus, rotate_qk, rows_attention, rows_attention_fits, silu_mul, write_kv};
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// The dimensions users ask about by name (from the models' config.json files), as a model config.
@@ -633,7 +633,7 @@ impl Llama {
 
 /// Argmax of every row of `logits` `[n, V]`, copied to the host (which also waits for the device).
 pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
-    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+    Ok(super::kernels::argmax_rows(logits)?.to_vec1::<u32>()?)
 }
 
 /// Greedy continuation of `prompt` by `new_tokens` tokens, one forward per token.

@@ -241,7 +241,7 @@ impl HeadRows for DeviceHead {
     /// Found on the device: one index comes back instead of a vocabulary of logits. Exact ties (rare in f32, less
     /// so in bf16) may go to another of the tied rows than the host's lowest index.
     fn argmax(&self, row: &DeviceRow, _: &mut Vec<f32>, _: &mut ()) -> Result<usize> {
-        Ok(self.product(&row.tensor()?)?.argmax(candle_core::D::Minus1)?.flatten_all()?.to_vec1::<u32>()?[0] as usize)
+        Ok(kernels::argmax_rows(&self.product(&row.tensor()?)?)?.flatten_all()?.to_vec1::<u32>()?[0] as usize)
     }
 
     /// One product `[rows, hidden] · headᵀ` (the head read once), one copy to the host.
@@ -255,7 +255,7 @@ impl HeadRows for DeviceHead {
 
     /// One product and one argmax on the device for every row; only the indices come back.
     fn argmax_many(&self, rows: &[&DeviceRow], _: &mut [&mut Vec<f32>], _: &mut (), indices: &mut Vec<usize>) -> Result<()> {
-        let found = self.product(&stack(rows)?)?.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+        let found = kernels::argmax_rows(&self.product(&stack(rows)?)?)?.to_vec1::<u32>()?;
         indices.clear();
         indices.extend(found.into_iter().map(|i| i as usize));
         Ok(())
@@ -377,7 +377,7 @@ impl DeviceLogits {
 
     /// The argmax of each of `rows`.
     fn argmax(&self, rows: impl Iterator<Item = usize>) -> Result<Vec<u32>> {
-        Ok(self.rows()?.index_select(&self.index(rows)?, 0)?.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+        Ok(kernels::argmax_rows(&self.rows()?.index_select(&self.index(rows)?, 0)?)?.to_vec1::<u32>()?)
     }
 
     /// softmax(row / temperature) of each of `rows`, `[rows, vocab]` (top-p 1).

@@ -1,0 +1,162 @@
+// frspec's CUDA kernels run on the CPU: the kernels' own source (cut from src/engine/candle/kernels.cu by
+// tests/cuda_emulation.rs into kernel_snippet.h) with a thread per CUDA thread, __syncthreads as a barrier of the
+// block and warp shuffles through a barrier of the warp, one block at a time. Their outputs are checked against
+// references computed here from the same inputs. No GPU can run here, so this is how a change to a kernel's indexing,
+// vector loads or reductions is tested before a GPU is lent; the GPU check (scripts/gpu-check.sh) then compares the
+// GPU's tokens with the CPU engine's.
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+// What the kernels use of CUDA.
+#define __device__
+#define __global__
+#define __forceinline__ inline
+using std::min;
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct dim3 { int x, y; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+float *g_shared;  // the block's dynamic shared memory
+std::barrier<> *g_block;
+std::vector<std::unique_ptr<std::barrier<>>> g_warps;
+void __syncthreads() { g_block->arrive_and_wait(); }
+template <typename V> V __shfl_xor_sync(unsigned, V v, int o) {
+  static V exchange[1024];
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  g_warps[warp]->arrive_and_wait();
+  exchange[t] = v;
+  g_warps[warp]->arrive_and_wait();
+  return exchange[warp * 32 + (lane ^ o)];
+}
+struct bf16 { uint16_t bits; };
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { uint32_t u = (uint32_t)x.bits << 16; float f; memcpy(&f, &u, 4); return f; }
+template <typename T> T from_f(float x);
+template <> float from_f<float>(float x) { return x; }
+template <> bf16 from_f<bf16>(float x) {  // round to nearest even, as __float2bfloat16
+  uint32_t u; memcpy(&u, &x, 4); u += 0x7fff + ((u >> 16) & 1); return bf16{(uint16_t)(u >> 16)};
+}
+#include "kernel_snippet.h"
+
+// Run `kernel` on a grid of blocks of `threads` threads with `shared` floats of dynamic shared memory.
+void launch(int grid_x, int grid_y, int threads, size_t shared, const std::function<void()> &kernel) {
+  std::vector<float> memory(shared);
+  g_shared = memory.data();
+  blockDim = {threads, 1};
+  gridDim = {grid_x, grid_y};
+  std::barrier<> block(threads);
+  g_block = &block;
+  g_warps.clear();
+  for (int w = 0; w < threads / 32; ++w) g_warps.emplace_back(new std::barrier<>(32));
+  for (int by = 0; by < grid_y; ++by)
+    for (int bx = 0; bx < grid_x; ++bx) {
+      std::vector<std::thread> team;
+      for (int t = 0; t < threads; ++t) team.emplace_back([&, t] { threadIdx = {t, 0}; blockIdx = {bx, by}; kernel(); });
+      for (auto &member : team) member.join();
+    }
+}
+
+// rows_attention against attention in double, as launched by kernels.rs (256 threads). Returns the worst error: f32
+// absolute; bf16 as a share of what the output's rounding allows (half a unit in the last place, 2^-8 relative, plus
+// 1e-3).
+template <typename T>
+double attention(int heads, int kv_heads, int d, int slots, int capacity, int rows, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
+  const int width = (heads + 2 * kv_heads) * d;
+  std::vector<T> qkv(rows * width), pool((size_t)slots * 2 * kv_heads * capacity * d), out(rows * heads * d);
+  for (auto &x : qkv) x = from_f<T>(normal(rng));
+  for (auto &x : pool) x = from_f<T>(normal(rng));
+  std::vector<unsigned> at(2 * rows);
+  int longest = 0;
+  for (int r = 0; r < rows; ++r) {
+    at[2 * r] = rng() % slots;
+    at[2 * r + 1] = rng() % capacity;
+    longest = std::max<int>(longest, at[2 * r + 1] + 1);
+  }
+  const int threads = 256, groups = threads / (d * (int)sizeof(T) / 16);
+  const float scale = 1.0f / std::sqrt((float)d);
+  launch(rows * heads, 1, threads, longest + d + groups * d, [&] {
+    rows_attention<T>(qkv.data(), pool.data(), at.data(), out.data(), heads, kv_heads, d, capacity, width, longest, scale);
+  });
+  double worst = 0;
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h) {
+      const int kvh = h / (heads / kv_heads), slot = at[2 * r], len = at[2 * r + 1] + 1;
+      const T *q = &qkv[r * width + h * d];
+      const T *k = &pool[(((size_t)slot * 2 * kv_heads) + kvh) * capacity * d];
+      const T *v = &pool[(((size_t)slot * 2 * kv_heads) + kv_heads + kvh) * capacity * d];
+      std::vector<double> p(len);
+      double m = -INFINITY, sum = 0;
+      for (int j = 0; j < len; ++j) {
+        double s = 0;
+        for (int i = 0; i < d; ++i) s += (double)to_f(q[i]) * to_f(k[j * d + i]);
+        p[j] = s / std::sqrt((double)d);
+        m = std::max(m, p[j]);
+      }
+      for (auto &x : p) sum += (x = std::exp(x - m));
+      for (int i = 0; i < d; ++i) {
+        double o = 0;
+        for (int j = 0; j < len; ++j) o += p[j] * to_f(v[j * d + i]);
+        o /= sum;
+        const double allowed = sizeof(T) == 2 ? std::ldexp(std::fabs(o), -8) + 1e-3 : 1.0;
+        worst = std::max(worst, std::fabs(o - to_f(out[(r * heads + h) * d + i])) / allowed);
+      }
+    }
+  return worst;
+}
+
+// argmax_chunks then argmax_pick, as launched by kernels.rs (chunks of `chunk`, 256 threads), on rows `stride` apart
+// with ties and -inf planted: the number of rows whose index is not the first of the largest value.
+template <typename T>
+double argmax(int rows, int cols, int stride, int chunk, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> small(-40, 40);  // few distinct values: many ties, in bf16 too
+  std::vector<T> x((size_t)(rows - 1) * stride + cols);
+  for (auto &v : x) v = from_f<T>((float)small(rng));
+  for (int c = 0; c < cols; ++c) x[c] = from_f<T>(-INFINITY);  // row 0: all -inf
+  const int chunks = (cols + chunk - 1) / chunk;
+  std::vector<float> best(rows * chunks);
+  std::vector<unsigned> where(rows * chunks), out(rows);
+  launch(chunks, rows, 256, 0, [&] { argmax_chunks<T>(x.data(), best.data(), where.data(), cols, stride, chunk); });
+  launch(rows, 1, 256, 0, [&] { argmax_pick(best.data(), where.data(), out.data(), chunks); });
+  int wrong = 0;
+  for (int r = 0; r < rows; ++r) {
+    int first = 0;
+    for (int c = 1; c < cols; ++c)
+      if (to_f(x[(size_t)r * stride + c]) > to_f(x[(size_t)r * stride + first])) first = c;
+    wrong += out[r] != (unsigned)first;
+  }
+  return wrong;
+}
+
+int main() {
+  struct Case { const char *name; double worst, tolerance; };
+  const Case cases[] = {
+      {"attention f32, 32 heads over 8, d 128 (Llama-3.1-8B)", attention<float>(32, 8, 128, 3, 300, 3, 1), 1e-5},
+      {"attention f32, 16 heads over 8, d 32 (the GPU check's model)", attention<float>(16, 8, 32, 2, 70, 4, 2), 1e-5},
+      {"attention bf16, 32 heads over 8, d 128", attention<bf16>(32, 8, 128, 3, 300, 3, 3), 1},
+      {"attention bf16, 9 heads over 3, d 64 (SmolLM2)", attention<bf16>(9, 3, 64, 2, 100, 3, 4), 1},
+      {"attention f32, 9 heads over 3, d 64, 1,500 positions", attention<float>(9, 3, 64, 1, 1500, 2, 5), 1e-5},
+      {"argmax f32, 3 rows of 10,000 in chunks of 4,096", argmax<float>(3, 10000, 10000, 4096, 6), 0},
+      {"argmax bf16, 4 rows of 5,000, 5,120 apart, chunks of 1,000", argmax<bf16>(4, 5000, 5120, 1000, 7), 0},
+      {"argmax f32, 2 rows of 100 (one chunk, threads without values)", argmax<float>(2, 100, 100, 4096, 8), 0},
+  };
+  int failed = 0;
+  for (const Case &c : cases) {
+    const bool ok = c.worst <= c.tolerance;
+    printf("%s: %.3g (%s)\n", c.name, c.worst, ok ? "ok" : "TOO LARGE");
+    failed += !ok;
+  }
+  return failed;
+}
