@@ -22,6 +22,7 @@
 #define __global__
 #define __forceinline__ inline
 using std::min;
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct dim3 { int x, y; };
 thread_local dim3 threadIdx, blockIdx;
@@ -140,6 +141,47 @@ double argmax(int rows, int cols, int stride, int chunk, unsigned seed) {
   return wrong;
 }
 
+// One of the matrix-vector kernels (norm_matvec_*, matvec_add_*, norm_swiglu_matvec_*, matvec_*) as launched by
+// kernels.rs (eight rows a block of 256 threads) against double: the worst error as a share of what f32 sums of k
+// terms and the output's rounding allow (at most 1).
+template <typename T, bool NORM, bool RESIDUAL, bool SWIGLU>
+double product(int n, int k, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<T> w((SWIGLU ? 2 : 1) * n * k), x(k), g(k), r(n), y(n);
+  for (auto *v : {&w, &x, &g, &r})
+    for (auto &e : *v) e = from_f<T>(normal(rng));
+  const float eps = 1e-5f;
+  launch((n + 7) / 8, 1, 256, 0, [&] { matvec<T, NORM, RESIDUAL, SWIGLU>(w.data(), x.data(), g.data(), r.data(), y.data(), n, k, eps); });
+  double squares = 0;
+  for (auto &e : x) squares += (double)to_f(e) * to_f(e);
+  const double scale = NORM ? 1 / std::sqrt(squares / k + eps) : 1;
+  double worst = 0;
+  for (int j = 0; j < n; ++j) {
+    // A row's dot product and the sum of its terms' sizes (what f32 rounding errors scale with).
+    auto dot = [&](int row, double &size) {
+      double sum = 0;
+      size = 0;
+      for (int i = 0; i < k; ++i) {
+        const double term = (double)to_f(w[(size_t)row * k + i]) * to_f(x[i]) * (NORM ? to_f(g[i]) : 1.0) * scale;
+        sum += term;
+        size += std::fabs(term);
+      }
+      return sum;
+    };
+    double size, up_size = 0, want = dot(j, size);
+    if (RESIDUAL) want += to_f(r[j]);
+    if (SWIGLU) {
+      const double up = dot(j + n, up_size), sigmoid = 1 / (1 + std::exp(-want));
+      size = size * std::fabs(up) + std::fabs(want * sigmoid) * up_size;
+      want = want * sigmoid * up;
+    }
+    const double allowed = 1e-6 * (1 + size) + (sizeof(T) == 2 ? std::ldexp(std::fabs(want), -8) : 1e-6 * std::fabs(want));
+    worst = std::max(worst, std::fabs(to_f(y[j]) - want) / allowed);
+  }
+  return worst;
+}
+
 int main() {
   struct Case { const char *name; double worst, tolerance; };
   const Case cases[] = {
@@ -151,6 +193,11 @@ int main() {
       {"argmax f32, 3 rows of 10,000 in chunks of 4,096", argmax<float>(3, 10000, 10000, 4096, 6), 0},
       {"argmax bf16, 4 rows of 5,000, 5,120 apart, chunks of 1,000", argmax<bf16>(4, 5000, 5120, 1000, 7), 0},
       {"argmax f32, 2 rows of 100 (one chunk, threads without values)", argmax<float>(2, 100, 100, 4096, 8), 0},
+      {"matvec f32, 40 rows of 256", product<float, false, false, false>(40, 256, 9), 1},
+      {"matvec bf16 with the norm folded in, 37 rows of 512", product<bf16, true, false, false>(37, 512, 10), 1},
+      {"matvec f32 plus a residual, 40 rows of 384", product<float, false, true, false>(40, 384, 11), 1},
+      {"matvec bf16, norm and SiLU x up folded in, 24 of 2 x 24 rows of 512", product<bf16, true, false, true>(24, 512, 12), 1},
+      {"matvec f32, norm and SiLU x up folded in, 20 of 2 x 20 rows of 256", product<float, true, false, true>(20, 256, 13), 1},
   };
   int failed = 0;
   for (const Case &c : cases) {

@@ -75,6 +75,16 @@ pub fn matvec_normed(x: &Tensor, g: &Tensor, eps: f32, w: &Tensor) -> Result<Ten
     Ok(w.apply_op3_no_bwd(x, g, &MatvecWith(Fold::Norm(eps)))?)
 }
 
+/// `silu(rms_norm(x, g) · gateᵀ) × (rms_norm(x, g) · upᵀ)` for `w` `[2n, k]` holding the gate's rows, then the up's
+/// (a stacked gate/up projection): `[rows, n]`. For one row on a GPU one warp reads a gate row and its up row, with the
+/// norm and SiLU × up folded in (no launch of their own), else `normed_product` then `silu_mul`.
+pub fn normed_swiglu(x: &Tensor, g: &Tensor, eps: f32, w: &Tensor) -> Result<Tensor> {
+    if takes_matvec(x, w, &[g])? && w.dim(0)? % 2 == 0 {
+        return Ok(w.apply_op3_no_bwd(x, g, &MatvecWith(Fold::NormSwiglu(eps)))?);
+    }
+    silu_mul(&normed_product(x, g, eps, w)?)
+}
+
 /// `matvec` plus `r` `[1, n]` (`product_plus` checks the operands).
 pub fn matvec_plus(x: &Tensor, w: &Tensor, r: &Tensor) -> Result<Tensor> {
     Ok(w.apply_op3_no_bwd(x, r, &MatvecWith(Fold::Residual))?)
@@ -117,11 +127,13 @@ struct ArgmaxRows;
 
 struct Matvec;
 
-/// A matrix-vector product with the RMSNorm of x before it (weights and eps) or a residual added after it.
+/// A matrix-vector product with the RMSNorm of x before it (weights and eps), a residual added after it, or the norm
+/// before and SiLU(gate) × up after (rows: gate, then up).
 #[derive(Clone, Copy)]
 enum Fold {
     Norm(f32),
     Residual,
+    NormSwiglu(f32),
 }
 
 struct MatvecWith(Fold);
@@ -300,19 +312,20 @@ impl CustomOp3 for MatvecWith {
         match self.0 {
             Fold::Norm(_) => "norm-matvec",
             Fold::Residual => "matvec-add",
+            Fold::NormSwiglu(_) => "norm-swiglu-matvec",
         }
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, self.name())?, span(l2, self.name())?, span(l3, self.name())?);
-        let (n, k) = (l1.dims()[0], l1.dims()[1]);
+        let k = l1.dims()[1];
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(w), CpuStorage::F32(x), CpuStorage::F32(z)) => CpuStorage::F32(self.apply(&w[o1..e1], &x[o2..e2], &z[o3..e3], k)),
             (CpuStorage::BF16(w), CpuStorage::BF16(x), CpuStorage::BF16(z)) => CpuStorage::BF16(self.apply(&w[o1..e1], &x[o2..e2], &z[o3..e3], k)),
             (CpuStorage::F16(w), CpuStorage::F16(x), CpuStorage::F16(z)) => CpuStorage::F16(self.apply(&w[o1..e1], &x[o2..e2], &z[o3..e3], k)),
             _ => candle_core::bail!("{}: f32, bf16 or f16 operands of one dtype", self.name()),
         };
-        Ok((out, Shape::from((1, n))))
+        Ok((out, Shape::from((1, self.0.outputs(l1.dims()[0])))))
     }
 
     #[cfg(feature = "cuda")]
@@ -321,19 +334,34 @@ impl CustomOp3 for MatvecWith {
     }
 }
 
+impl Fold {
+    /// Output values of a product of `rows` weight rows.
+    fn outputs(self, rows: usize) -> usize {
+        match self {
+            Fold::NormSwiglu(_) => rows / 2,
+            Fold::Norm(_) | Fold::Residual => rows,
+        }
+    }
+}
+
 impl MatvecWith {
     /// `z` is the norm's weights or the residual.
     fn apply<T: WithDType>(&self, w: &[T], x: &[T], z: &[T], k: usize) -> Vec<T> {
         let f = |v: &T| v.to_f64() as f32;
-        w.chunks_exact(k)
-            .enumerate()
-            .map(|(row, wr)| {
+        let normed = |eps: f32, wr: &[T]| {
+            let scale = 1.0 / (x.iter().map(|v| f(v).powi(2)).sum::<f32>() / k as f32 + eps).sqrt();
+            wr.iter().zip(x).zip(z).map(|((a, b), g)| f(a) * f(b) * f(g)).sum::<f32>() * scale
+        };
+        let rows: Vec<&[T]> = w.chunks_exact(k).collect();
+        (0..self.0.outputs(rows.len()))
+            .map(|row| {
                 let y = match self.0 {
-                    Fold::Norm(eps) => {
-                        let scale = 1.0 / (x.iter().map(|v| f(v).powi(2)).sum::<f32>() / k as f32 + eps).sqrt();
-                        wr.iter().zip(x).zip(z).map(|((a, b), g)| f(a) * f(b) * f(g)).sum::<f32>() * scale
+                    Fold::Norm(eps) => normed(eps, rows[row]),
+                    Fold::Residual => rows[row].iter().zip(x).map(|(a, b)| f(a) * f(b)).sum::<f32>() + f(&z[row]),
+                    Fold::NormSwiglu(eps) => {
+                        let (gate, up) = (normed(eps, rows[row]), normed(eps, rows[row + rows.len() / 2]));
+                        gate / (1.0 + (-gate).exp()) * up
                     }
-                    Fold::Residual => wr.iter().zip(x).map(|(a, b)| f(a) * f(b)).sum::<f32>() + f(&z[row]),
                 };
                 T::from_f64(y as f64)
             })
@@ -570,13 +598,20 @@ mod cuda {
     pub(super) fn matvec_with(fold: Fold, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<(CudaStorage, Shape)> {
         fn typed<T: CudaDType + DeviceRepr>(fold: Fold, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<CudaStorage> {
             let ((o1, e1), (o2, e2), (o3, e3)) = (span(l1, "matvec")?, span(l2, "matvec")?, span(l3, "matvec")?);
-            let (n, k) = (l1.dims()[0], l1.dims()[1]);
+            let (n, k) = (fold.outputs(l1.dims()[0]), l1.dims()[1]);
             let dev = &s1.device;
             let (w, x, z) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<T>()?.slice(o3..e3));
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(n)? };
             match fold {
                 Fold::Norm(eps) => launch!(dev, "norm_matvec", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
+                    b.arg(&w);
+                    b.arg(&x);
+                    b.arg(&z);
+                    b.arg(&out);
+                    builder_arg!(b, n as i32, k as i32, eps);
+                }),
+                Fold::NormSwiglu(eps) => launch!(dev, "norm_swiglu_matvec", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
                     b.arg(&w);
                     b.arg(&x);
                     b.arg(&z);
@@ -594,7 +629,7 @@ mod cuda {
             Ok(T::wrap_cuda_slice(out, dev.clone()))
         }
         let out = by_dtype!(s1.dtype(), "matvec", typed(fold, s1, l1, s2, l2, s3, l3))?;
-        Ok((out, Shape::from((1, l1.dims()[0]))))
+        Ok((out, Shape::from((1, fold.outputs(l1.dims()[0])))))
     }
 
     pub(super) fn write_kv(op: &WriteKv, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<()> {

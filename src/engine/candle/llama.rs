@@ -2,7 +2,7 @@
 //! and training). Built from a CPU-engine model (weights dequantized) or with random weights of any shape (speed does
 //! not depend on the values, so a Llama-3.1-8B run needs no download).
 
-use super::kernels::{normed_product, product, product_plus, rotate_qk, rows_attention, rows_attention_fits, silu_mul, write_kv};
+use super::kernels::{normed_product, normed_swiglu, product, product_plus, rotate_qk, rows_attention, rows_attention_fits, silu_mul, write_kv};
 use crate::engine::cpu::model::{Config, Geometry, Model, RopeStyle};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -177,6 +177,14 @@ impl Proj {
         self.biased(normed_product(x, g, eps, &self.w)?)
     }
 
+    /// SiLU(gate) × up of the projection of `rms_norm(x, g)`, its rows the gate's, then the up's.
+    fn forward_normed_swiglu(&self, x: &Tensor, g: &Tensor, eps: f32) -> Result<Tensor> {
+        match &self.b {
+            Some(_) => silu_mul(&self.forward_normed(x, g, eps)?),
+            None => normed_swiglu(x, g, eps, &self.w),
+        }
+    }
+
     /// The projection of `x` plus the residual `r`.
     fn forward_plus(&self, x: &Tensor, r: &Tensor) -> Result<Tensor> {
         self.biased(product_plus(x, &self.w, r)?)
@@ -265,8 +273,7 @@ impl Layer {
         write_kv(kv, &qkv, &placed.at, s.heads)?;
         let attended = placed.attend(&qkv, kv, s.heads, s.head_dim)?;
         let x = self.o.forward_plus(&attended, x)?;
-        let gate_up = self.gate_up.forward_normed(&x, &self.ffn_norm, s.rms_eps)?;
-        self.down.forward_plus(&silu_mul(&gate_up)?, &x)
+        self.down.forward_plus(&self.gate_up.forward_normed_swiglu(&x, &self.ffn_norm, s.rms_eps)?, &x)
     }
 }
 
