@@ -8,26 +8,9 @@
 # Usage: scripts/gpu-profile.sh FRSPEC_BINARY[.xz] OUT_DIR   (ncu.csv.gz and summary.txt go to OUT_DIR)
 set -euo pipefail
 
-[ $# -eq 2 ] || { echo "usage: $0 FRSPEC_BINARY[.xz] OUT_DIR" >&2; exit 2; }
-out=$2
-mkdir -p "$out"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-case $1 in
-  *.xz) bin="$work/frspec"
-        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$bin"
-        chmod +x "$bin" ;;
-  *) bin=$(realpath "$1") ;;
-esac
+. "$(dirname "$0")/gpu-binary.sh"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1) \
   || { echo "gpu-profile: ncu not found" >&2; exit 2; }
-# The same loader path as gpu-check.sh.
-libs=$( { ls -d /usr/local/cuda/lib64 2>/dev/null
-          python3 -c 'import glob, os, site
-for sp in site.getsitepackages():
-    for so in glob.glob(os.path.join(sp, "nvidia", "**", "libcublas.so*"), recursive=True):
-        print(os.path.dirname(so))' 2>/dev/null; } | sort -u | paste -sd:)
-export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 # Two runs of 16 decode steps after a 128-token prompt (the first run warms up); the profiler stops timing after the
 # launches these take (the random weights, the bandwidth probe and the rest of the bench run untimed).

@@ -477,7 +477,7 @@ mod cuda {
 
     /// Launch `$kernel` for `$dtype` with its arguments pushed by `$push` (candle does not export its function type).
     macro_rules! launch {
-        ($dev:expr, $kernel:literal, $dtype:expr, $config:expr, |$b:ident| { $($push:tt)* }) => {{
+        ($dev:expr, $kernel:expr, $dtype:expr, $config:expr, |$b:ident| { $($push:tt)* }) => {{
             let f = $dev.get_or_load_custom_func(&format!("{}_{}", $kernel, $dtype.as_str()), "frspec_kernels", PTX)?;
             let mut $b = f.builder();
             $($push)*
@@ -604,20 +604,16 @@ mod cuda {
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(n)? };
             match fold {
-                Fold::Norm(eps) => launch!(dev, "norm_matvec", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
-                    b.arg(&w);
-                    b.arg(&x);
-                    b.arg(&z);
-                    b.arg(&out);
-                    builder_arg!(b, n as i32, k as i32, eps);
-                }),
-                Fold::NormSwiglu(eps) => launch!(dev, "norm_swiglu_matvec", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
-                    b.arg(&w);
-                    b.arg(&x);
-                    b.arg(&z);
-                    b.arg(&out);
-                    builder_arg!(b, n as i32, k as i32, eps);
-                }),
+                Fold::Norm(eps) | Fold::NormSwiglu(eps) => {
+                    let kernel = if matches!(fold, Fold::Norm(_)) { "norm_matvec" } else { "norm_swiglu_matvec" };
+                    launch!(dev, kernel, s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
+                        b.arg(&w);
+                        b.arg(&x);
+                        b.arg(&z);
+                        b.arg(&out);
+                        builder_arg!(b, n as i32, k as i32, eps);
+                    })
+                }
                 Fold::Residual => launch!(dev, "matvec_add", s1.dtype(), grid(n.div_ceil(8), 256, 0), |b| {
                     b.arg(&w);
                     b.arg(&x);
