@@ -75,10 +75,17 @@ impl Sampling {
 
 /// Index of the largest value; the lowest index wins a tie, so greedy decoding is reproducible.
 pub fn argmax(values: &[f32]) -> u32 {
+    argmax_of(values.iter().copied())
+}
+
+/// `argmax` of values as they come (a row of another number type, converted on the way, with no copy of it).
+pub fn argmax_of(values: impl IntoIterator<Item = f32>) -> u32 {
+    let mut values = values.into_iter().enumerate();
+    let Some((_, mut largest)) = values.next() else { return 0 };
     let mut best = 0;
-    for (i, v) in values.iter().enumerate() {
-        if *v > values[best] {
-            best = i;
+    for (i, v) in values {
+        if v > largest {
+            (best, largest) = (i, v);
         }
     }
     best as u32
@@ -140,6 +147,16 @@ mod tests {
         for (c, p) in counts.iter().zip(probs) {
             assert!((*c as f64 / 20_000.0 - p as f64).abs() < 0.015, "{counts:?}");
         }
+    }
+
+    #[test]
+    fn argmax_takes_the_lowest_of_tied_indices_and_compares_nothing_with_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
+        assert_eq!(argmax(&[]), 0);
+        // A NaN first is never beaten (nothing compares larger), as the host's greedy choice always did.
+        assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
+        assert_eq!(argmax_of([1u8, 7, 7].map(f32::from)), 1);
     }
 
     #[test]

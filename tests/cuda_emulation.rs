@@ -1,6 +1,6 @@
-//! frspec's CUDA kernels for attention, argmax and matrix-vector products, as written in src/engine/candle/kernels.cu, run on the CPU by an
-//! emulation of their threads (tests/cuda_emulation/kernels.cpp) and checked against references computed there: no
-//! GPU is lent to CI.
+//! frspec's CUDA kernels for attention, argmax and matrix-vector products, as written in
+//! src/engine/candle/kernels.cu, run on the CPU by an emulation of their threads (tests/cuda_emulation/kernels.cpp)
+//! and checked against references computed there: no GPU is lent to CI.
 
 use std::path::Path;
 use std::process::Command;

@@ -1,7 +1,8 @@
 //! `with_pool_awake` keeps the pool's threads polling for work with spinner jobs. Rayon may start such a job on a
 //! thread that is waiting inside the forward's own work (here: the forward itself asks for pending jobs, as a thread
 //! waiting in a join does), and that thread cannot return to the forward until the spinner ends. Spinners that ended
-//! only with the forward deadlocked it; a sweep's CPU engine never finished its first unit on a 16-core GPU machine.
+//! only with the forward deadlocked it (the likely reason a sweep's CPU engine never finished its first unit on a
+//! 16-core GPU machine).
 
 use frspec::engine::cpu::tensor::{pool, with_pool_awake};
 use std::time::{Duration, Instant};

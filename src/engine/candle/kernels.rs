@@ -25,6 +25,9 @@ pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
 pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
     let dims = x.dims();
     let Some((&cols, outer)) = dims.split_last() else { anyhow::bail!("argmax of a scalar") };
+    if x.elem_count() == 0 {
+        return Ok(Tensor::zeros(outer, DType::U32, x.device())?);
+    }
     // Rows a stride apart (a head's kept columns of a padded product) are read where they lie.
     let rows = if x.rank() == 2 && x.stride()[1] == 1 { x.clone() } else { x.contiguous()?.reshape((x.elem_count() / cols.max(1), cols))? };
     Ok(rows.apply_op1_no_bwd(&ArgmaxRows)?.reshape(outer)?)
@@ -254,8 +257,8 @@ impl CustomOp1 for ArgmaxRows {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, cols, stride, o) = strided_rows(l)?;
         fn f<T: WithDType>(x: &[T], rows: usize, cols: usize, stride: usize, o: usize) -> Vec<u32> {
-            let row = |r: usize| x[o + r * stride..o + r * stride + cols].iter().map(|v| v.to_f64() as f32).collect::<Vec<_>>();
-            (0..rows).map(|r| crate::sampling::argmax(&row(r))).collect()
+            let row = |r: usize| x[o + r * stride..o + r * stride + cols].iter().map(|v| v.to_f64() as f32);
+            (0..rows).map(|r| crate::sampling::argmax_of(row(r))).collect()
         }
         let out = match s {
             CpuStorage::F32(x) => f(x, rows, cols, stride, o),

@@ -239,7 +239,7 @@ impl HeadRows for DeviceHead {
     }
 
     /// Found on the device: one index comes back instead of a vocabulary of logits. Exact ties (rare in f32, less
-    /// so in bf16) may go to another of the tied rows than the host's lowest index.
+    /// so in bf16) go to the lowest index, as on the host.
     fn argmax(&self, row: &DeviceRow, _: &mut Vec<f32>, _: &mut ()) -> Result<usize> {
         Ok(kernels::argmax_rows(&self.product(&row.tensor()?)?)?.flatten_all()?.to_vec1::<u32>()?[0] as usize)
     }

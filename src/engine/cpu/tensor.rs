@@ -398,7 +398,8 @@ const SPIN_IDLE_LIMIT: std::time::Duration = std::time::Duration::from_micros(50
 /// A spinner is a rayon job, and rayon may start a job on a thread that is itself waiting inside `f`'s work (a join
 /// whose other half was stolen): that thread cannot return to `f` until the spinner ends. So a spinner also ends once
 /// it has found no work for `SPIN_IDLE_LIMIT`; a spinner that waited for `done` alone deadlocked such a thread and with
-/// it the forward: with 16 threads a few thousand calls sufficed (`tests/pool_awake.rs`).
+/// it the forward (`tests/pool_awake.rs`, 32 threads, at once; a copy of it with 16 threads within ten thousand
+/// calls).
 pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     use std::sync::atomic::{AtomicBool, Ordering};
     /// Sets the flag however `f` ends, so that a panic in `f` cannot leave the spinners spinning.
