@@ -5,7 +5,11 @@
 # the kernels take is device work, the rest of the step is gaps between kernels (launch, start, drain).
 # Clocks and caches are left alone (--clock-control none --cache-control none), so each kernel runs as in a real
 # step, one at a time.
-# Usage: scripts/gpu-profile.sh FRSPEC_BINARY[.xz] OUT_DIR   (ncu.csv.gz and summary.txt go to OUT_DIR)
+# A second pass does the same for the batched speculative loop at B = 64 (issue 19): a step verifies 64 × 5 rows and
+# drafts 4 positions of 64 rows; its kernels are summed per batched step (T = 0 and T = 1 together), beside the wall
+# time a step takes without the profiler (part 3 of gpu-check.sh: 64 / its steps/s at B = 64).
+# Usage: scripts/gpu-profile.sh FRSPEC_BINARY[.xz] OUT_DIR
+#        (ncu.csv.gz, summary.txt, batched-ncu.csv.gz and batched-summary.txt go to OUT_DIR)
 set -euo pipefail
 
 . "$(dirname "$0")/gpu-binary.sh"
@@ -51,4 +55,46 @@ print(f"{len(steps)} decode steps; kernels a step {sum(v[0] for v in by.values()
 print(f"{'kernel':<40} {'grid':>16} {'block':>14} {'a step':>7} {'us each':>9} {'us a step':>10} {'share':>7}")
 for (name, grid, block), (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1]):
     print(f"{name[:40]:<40} {grid:>16} {block:>14} {count / n:>7.0f} {us / count:>9.2f} {us / n:>10.1f} {100 * us / n / total:>6.1f}%")
+PY
+
+# The batched pass: 4 new tokens a turn and a 32-token prompt keep the launches before the loop few (the single-row
+# parts run too, about 10,000 launches); the loop's first verification is the first attention launch over more rows
+# than any launch before it (64-token block: 64 × 32 heads blocks).
+"$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --page raw \
+  --launch-count "${FRSPEC_PROFILE_BATCHED_LAUNCHES:-20000}" --log-file "$work/batched-ncu.csv" \
+  "$bin" bench decode --shape llama31-8b --device cuda --dtype bf16 --new-tokens 4 --runs 1 --ratios 0 --batches 64 \
+  --prompt-tokens 32 --json > "$work/batched-bench.json"
+gzip -c "$work/batched-ncu.csv" > "$out/batched-ncu.csv.gz"
+python3 - "$work/batched-ncu.csv" <<'PY' | tee "$out/batched-summary.txt"
+import collections, csv, sys
+def micros(r):
+    try:
+        return float(r.get("gpu__time_duration.sum", "").replace(",", "")) / 1e3
+    except ValueError:
+        return None
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if not l.startswith("==")) if r.get("Kernel Name") and micros(r) is not None]
+def grid_x(r):
+    return int(r["Grid Size"].strip("()").split(",")[0])
+layers, heads, verify_rows = 32, 32, 64 * 5
+attention = [i for i, r in enumerate(rows) if r["Kernel Name"].startswith("rows_attention")]
+big = [i for i in attention if grid_x(rows[i]) > 64 * heads]
+if not big:
+    sys.exit(f"{len(rows)} kernels timed, no attention launch of the batched loop among them")
+# The window starts at the first layer of the loop's first forward: the launches since the attention launch before it.
+before = [i for i in attention if i < big[0]]
+start = before[-1] + 1 if before else 0
+window = rows[start:]
+steps = sum(1 for r in window if r["Kernel Name"].startswith("rows_attention") and grid_x(r) == verify_rows * heads) / layers
+print(f"{len(rows)} kernels timed; the batched loop from launch {start}: {len(window)} launches, {steps:.1f} verifications of {verify_rows} rows")
+by = collections.defaultdict(lambda: [0, 0.0])
+for r in window:
+    key = (r["Kernel Name"].split("(")[0], r["Grid Size"], r["Block Size"])
+    by[key][0] += 1
+    by[key][1] += micros(r)
+n = max(steps, 1)
+total = sum(v[1] for v in by.values())
+print(f"kernels a batched step {len(window) / n:.0f}, their time {total / n:.1f} us a step (mean; prefills of the turns included)")
+print(f"{'kernel':<40} {'grid':>16} {'block':>14} {'a step':>7} {'us each':>9} {'us a step':>10} {'share':>7}")
+for (name, grid, block), (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+    print(f"{name[:40]:<40} {grid:>16} {block:>14} {count / n:>7.1f} {us / count:>9.2f} {us / n:>10.1f} {100 * us / total:>6.1f}%")
 PY
