@@ -1,4 +1,4 @@
-//! frspec's CUDA kernels for attention, argmax and matrix-vector products, as written in
+//! frspec's CUDA kernels for the cache write, attention, argmax and matrix-vector products, as written in
 //! src/engine/candle/kernels.cu, run on the CPU by an emulation of their threads (tests/cuda_emulation/kernels.cpp)
 //! and checked against references computed there: no GPU is lent to CI.
 
@@ -16,11 +16,11 @@ fn cut<'a>(source: &'a str, from: &str, to: &str) -> &'a str {
 fn kernels_equal_their_references() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let kernels = std::fs::read_to_string(root.join("src/engine/candle/kernels.cu")).expect("kernels.cu");
-    // The block reduction, the attention, argmax and matrix-vector kernels, with CUDA's block-shared memory made the
-    // emulation's.
+    // RoPE's pair rotation, the block reduction, the cache write, the attention, argmax and matrix-vector kernels, with
+    // CUDA's block-shared memory made the emulation's.
     let snippet = [
-        cut(&kernels, "// Sum (or max) over the block", "// Rows of qkv [rows, width] (queries first"),
-        cut(&kernels, "// Every query row of qkv [rows, width]", "#define FRSPEC_KERNELS"),
+        cut(&kernels, "// Pair j of a head x", "// Rows of qkv [n, width]: the first"),
+        cut(&kernels, "// Sum (or max) over the block", "#define FRSPEC_KERNELS"),
     ]
     .concat()
     .replace("extern __shared__ float shared[];", "float *shared = g_shared;")
@@ -41,5 +41,5 @@ fn kernels_equal_their_references() {
     let ran = Command::new(&binary).output().expect("the emulation runs");
     let report = String::from_utf8_lossy(&ran.stdout);
     assert!(ran.status.success(), "a kernel's outputs differ from its reference:\n{report}");
-    assert_eq!(report.lines().filter(|l| l.ends_with("(ok)")).count(), 13, "{report}");
+    assert_eq!(report.lines().filter(|l| l.ends_with("(ok)")).count(), 16, "{report}");
 }

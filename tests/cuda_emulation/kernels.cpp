@@ -13,6 +13,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
@@ -67,11 +68,27 @@ void launch(int grid_x, int grid_y, int threads, size_t shared, const std::funct
     }
 }
 
-// rows_attention against attention in double, as launched by kernels.rs (256 threads). Returns the worst error: f32
-// absolute; bf16 as a share of what the output's rounding allows (half a unit in the last place, 2^-8 relative, plus
-// 1e-3).
+// RoPE tables [rows, d / 2] of random angles, and the pair (a, b) that pair j of a head of d rotates.
+struct Rope {
+  std::vector<float> cos, sin;
+  int d, interleaved;
+  Rope(int rows, int d, int interleaved, std::mt19937 &rng) : d(d), interleaved(interleaved) {
+    std::uniform_real_distribution<float> angle(-3.2f, 3.2f);
+    for (int i = 0; i < rows * d / 2; ++i) {
+      const float a = angle(rng);
+      cos.push_back(std::cos(a));
+      sin.push_back(std::sin(a));
+    }
+  }
+  int a(int j) const { return interleaved ? 2 * j : j; }
+  int b(int j) const { return interleaved ? 2 * j + 1 : j + d / 2; }
+};
+
+// rows_attention against attention in double, as launched by kernels.rs (256 threads), each query rotated by RoPE (in
+// double here). Returns the worst error: f32 absolute; bf16 as a share of what the output's rounding allows (half a
+// unit in the last place, 2^-8 relative, plus 1e-3).
 template <typename T>
-double attention(int heads, int kv_heads, int d, int slots, int capacity, int rows, unsigned seed) {
+double attention(int heads, int kv_heads, int d, int slots, int capacity, int rows, int interleaved, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0, 1);
   const int width = (heads + 2 * kv_heads) * d;
@@ -85,23 +102,31 @@ double attention(int heads, int kv_heads, int d, int slots, int capacity, int ro
     at[2 * r + 1] = rng() % capacity;
     longest = std::max<int>(longest, at[2 * r + 1] + 1);
   }
+  const Rope rope(rows, d, interleaved, rng);
   const int threads = 256, groups = threads / (d * (int)sizeof(T) / 16);
   const float scale = 1.0f / std::sqrt((float)d);
   launch(rows * heads, 1, threads, longest + d + groups * d, [&] {
-    rows_attention<T>(qkv.data(), pool.data(), at.data(), out.data(), heads, kv_heads, d, capacity, width, longest, scale);
+    rows_attention<T>(qkv.data(), pool.data(), at.data(), rope.cos.data(), rope.sin.data(), interleaved, out.data(), heads,
+                      kv_heads, d, capacity, width, longest, scale);
   });
   double worst = 0;
   for (int r = 0; r < rows; ++r)
     for (int h = 0; h < heads; ++h) {
       const int kvh = h / (heads / kv_heads), slot = at[2 * r], len = at[2 * r + 1] + 1;
-      const T *q = &qkv[r * width + h * d];
+      const T *x = &qkv[r * width + h * d];
+      std::vector<double> q(d);
+      for (int j = 0; j < d / 2; ++j) {
+        const double c = rope.cos[r * d / 2 + j], s = rope.sin[r * d / 2 + j], xa = to_f(x[rope.a(j)]), xb = to_f(x[rope.b(j)]);
+        q[rope.a(j)] = xa * c - xb * s;
+        q[rope.b(j)] = xa * s + xb * c;
+      }
       const T *k = &pool[(((size_t)slot * 2 * kv_heads) + kvh) * capacity * d];
       const T *v = &pool[(((size_t)slot * 2 * kv_heads) + kv_heads + kvh) * capacity * d];
       std::vector<double> p(len);
       double m = -INFINITY, sum = 0;
       for (int j = 0; j < len; ++j) {
         double s = 0;
-        for (int i = 0; i < d; ++i) s += (double)to_f(q[i]) * to_f(k[j * d + i]);
+        for (int i = 0; i < d; ++i) s += q[i] * to_f(k[j * d + i]);
         p[j] = s / std::sqrt((double)d);
         m = std::max(m, p[j]);
       }
@@ -115,6 +140,48 @@ double attention(int heads, int kv_heads, int d, int slots, int capacity, int ro
       }
     }
   return worst;
+}
+
+// write_kv as launched by kernels.rs (a block per row and key or value head, d threads rounded up to a warp), rows at
+// distinct places, keys rotated by RoPE when `rotate`: the number of pool values that differ from what f32 rotation
+// (or a copy) and the storage's rounding give, counting every place no row was written to, which must not change.
+template <typename T>
+int write(int heads, int kv_heads, int d, int slots, int capacity, int rows, int interleaved, bool rotate, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
+  const int width = (heads + 2 * kv_heads) * d;
+  std::vector<T> qkv(rows * width), pool((size_t)slots * 2 * kv_heads * capacity * d);
+  for (auto &x : qkv) x = from_f<T>(normal(rng));
+  for (auto &x : pool) x = from_f<T>(normal(rng));
+  std::vector<T> want = pool;
+  std::vector<unsigned> at(2 * rows);
+  std::vector<int> places(slots * capacity);
+  std::iota(places.begin(), places.end(), 0);
+  std::shuffle(places.begin(), places.end(), rng);
+  for (int r = 0; r < rows; ++r) {
+    at[2 * r] = places[r] / capacity;
+    at[2 * r + 1] = places[r] % capacity;
+  }
+  const Rope rope(rows, d, interleaved, rng);
+  launch(rows * 2 * kv_heads, 1, std::min((d + 31) / 32 * 32, 1024), 0, [&] {
+    write_kv<T>(qkv.data(), pool.data(), at.data(), rotate ? rope.cos.data() : nullptr, rotate ? rope.sin.data() : nullptr,
+                interleaved, heads, kv_heads, d, capacity, width);
+  });
+  for (int r = 0; r < rows; ++r)
+    for (int plane_head = 0; plane_head < 2 * kv_heads; ++plane_head) {
+      const T *src = &qkv[r * width + (heads + plane_head) * d];
+      T *dst = &want[(((size_t)at[2 * r] * 2 * kv_heads + plane_head) * capacity + at[2 * r + 1]) * d];
+      for (int i = 0; i < d; ++i) dst[i] = src[i];
+      if (rotate && plane_head < kv_heads)
+        for (int j = 0; j < d / 2; ++j) {
+          const float c = rope.cos[r * d / 2 + j], s = rope.sin[r * d / 2 + j], xa = to_f(src[rope.a(j)]), xb = to_f(src[rope.b(j)]);
+          dst[rope.a(j)] = from_f<T>(xa * c - xb * s);
+          dst[rope.b(j)] = from_f<T>(xa * s + xb * c);
+        }
+    }
+  int wrong = 0;
+  for (size_t i = 0; i < pool.size(); ++i) wrong += to_f(pool[i]) != to_f(want[i]);
+  return wrong;
 }
 
 // argmax_chunks then argmax_pick, as launched by kernels.rs (chunks of `chunk`, 256 threads), on rows `stride` apart
@@ -185,11 +252,14 @@ double product(int n, int k, unsigned seed) {
 int main() {
   struct Case { const char *name; double worst, tolerance; };
   const Case cases[] = {
-      {"attention f32, 32 heads over 8, d 128 (Llama-3.1-8B)", attention<float>(32, 8, 128, 3, 300, 3, 1), 1e-5},
-      {"attention f32, 16 heads over 8, d 32 (the GPU check's model)", attention<float>(16, 8, 32, 2, 70, 4, 2), 1e-5},
-      {"attention bf16, 32 heads over 8, d 128", attention<bf16>(32, 8, 128, 3, 300, 3, 3), 1},
-      {"attention bf16, 9 heads over 3, d 64 (SmolLM2)", attention<bf16>(9, 3, 64, 2, 100, 3, 4), 1},
-      {"attention f32, 9 heads over 3, d 64, 1,500 positions", attention<float>(9, 3, 64, 1, 1500, 2, 5), 1e-5},
+      {"attention f32, 32 heads over 8, d 128 (Llama-3.1-8B)", attention<float>(32, 8, 128, 3, 300, 3, 0, 1), 1e-5},
+      {"attention f32, 16 heads over 8, d 32 (the GPU check's model)", attention<float>(16, 8, 32, 2, 70, 4, 0, 2), 1e-5},
+      {"attention bf16, 32 heads over 8, d 128", attention<bf16>(32, 8, 128, 3, 300, 3, 0, 3), 1},
+      {"attention bf16, 9 heads over 3, d 64 (SmolLM2)", attention<bf16>(9, 3, 64, 2, 100, 3, 0, 4), 1},
+      {"attention f32, 9 heads over 3, d 64, 1,500 positions, interleaved pairs", attention<float>(9, 3, 64, 1, 1500, 2, 1, 5), 1e-5},
+      {"write_kv bf16, 8 key/value heads of d 128, keys rotated", (double)write<bf16>(32, 8, 128, 3, 20, 7, 0, true, 14), 0},
+      {"write_kv f32, 3 heads of d 64, keys rotated (interleaved pairs)", (double)write<float>(9, 3, 64, 2, 10, 5, 1, true, 15), 0},
+      {"write_kv bf16, 8 heads of d 128, copied as they are", (double)write<bf16>(32, 8, 128, 2, 10, 4, 0, false, 16), 0},
       {"argmax f32, 3 rows of 10,000 in chunks of 4,096", argmax<float>(3, 10000, 10000, 4096, 6), 0},
       {"argmax bf16, 4 rows of 5,000, 5,120 apart, chunks of 1,000", argmax<bf16>(4, 5000, 5120, 1000, 7), 0},
       {"argmax f32, 2 rows of 100 (one chunk, threads without values)", argmax<float>(2, 100, 100, 4096, 8), 0},

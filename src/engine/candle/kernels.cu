@@ -1,6 +1,6 @@
 // frspec's own CUDA kernels for the candle engine's decode step, where candle and candle-nn have no fused op: RoPE of
-// queries and keys in place in the fused QKV row, SiLU(gate) × up, keys and values written into the caches, the
-// attention of every row of a batch over its own cache, and the matrix-vector product (with the RMSNorm before it or
+// queries and keys in place in the fused QKV row, SiLU(gate) × up, keys and values written into the caches (the keys
+// rotated on the way), the attention of every row of a batch over its own cache (the query rotated as it is read), and the matrix-vector product (with the RMSNorm before it or
 // the residual add after it folded in). Built to PTX by build.rs (feature `cuda`); each has a CPU twin in kernels.rs,
 // which the tests check against the CPU engine.
 // Arithmetic in f32 whatever the storage type.
@@ -16,18 +16,31 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
+// Pair j of a head x of d values under RoPE: its indices a and b (neighbours, or j and j + d / 2: HF's rotate-half)
+// and their values rotated by the angle whose cosine and sine are c and s, in f32.
+template <typename T>
+__device__ __forceinline__ void rope_pair(const T *x, int j, int d, int interleaved, float c, float s, int &a, int &b,
+                                          float &ya, float &yb) {
+  a = interleaved ? 2 * j : j;
+  b = interleaved ? 2 * j + 1 : j + d / 2;
+  const float xa = to_f(x[a]), xb = to_f(x[b]);
+  ya = xa * c - xb * s;
+  yb = xa * s + xb * c;
+}
+
 // Rows of qkv [n, width]: the first `heads` heads of head_dim d (queries, then keys) rotated in place with cos, sin
-// [n, d / 2] (f32). One block per (row, head).
+// [n, d / 2] (f32). One block per (row, head). Used where attention is candle's products; the fused path rotates
+// keys in write_kv and queries in rows_attention, a launch a layer fewer.
 template <typename T>
 __device__ void rope_qk(T *qkv, const float *cos, const float *sin, int heads, int d, int width, int interleaved) {
   const int row = blockIdx.x / heads, head = blockIdx.x % heads, half = d / 2;
   T *x = qkv + (size_t)row * width + (size_t)head * d;
   for (int j = threadIdx.x; j < half; j += blockDim.x) {
-    const float c = cos[row * half + j], s = sin[row * half + j];
-    const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + half;
-    const float xa = to_f(x[a]), xb = to_f(x[b]);
-    x[a] = from_f<T>(xa * c - xb * s);
-    x[b] = from_f<T>(xa * s + xb * c);
+    int a, b;
+    float ya, yb;
+    rope_pair(x, j, d, interleaved, cos[row * half + j], sin[row * half + j], a, b, ya, yb);
+    x[a] = from_f<T>(ya);
+    x[b] = from_f<T>(yb);
   }
 }
 
@@ -60,20 +73,33 @@ __device__ float block_reduce(float v, float *red, bool is_max) {
 }
 
 // Rows of qkv [rows, width] (queries first: `heads` heads of d, then kv_heads keys and kv_heads values) into the pool
-// [slots, 2, kv_heads, capacity, d] of every sequence's cache: row r at slot at[2r], position at[2r + 1]. One block
-// per (row, key or value head).
+// [slots, 2, kv_heads, capacity, d] of every sequence's cache: row r at slot at[2r], position at[2r + 1]. With cos
+// and sin [rows, d / 2] (not null) the keys are rotated as they are written (the same f32 arithmetic as rope_qk, whose
+// launch this saves), else copied as they are. One block per (row, key or value head).
 template <typename T>
-__device__ void write_kv(const T *qkv, T *pool, const unsigned *at, int heads, int kv_heads, int d, int capacity, int width) {
-  const int per_row = 2 * kv_heads, row = blockIdx.x / per_row, plane_head = blockIdx.x % per_row;
+__device__ void write_kv(const T *qkv, T *pool, const unsigned *at, const float *cos, const float *sin, int interleaved,
+                         int heads, int kv_heads, int d, int capacity, int width) {
+  const int per_row = 2 * kv_heads, row = blockIdx.x / per_row, plane_head = blockIdx.x % per_row, half = d / 2;
   const unsigned slot = at[2 * row], position = at[2 * row + 1];
   const T *src = qkv + (size_t)row * width + (size_t)(heads + plane_head) * d;
   T *dst = pool + (((size_t)slot * per_row + plane_head) * capacity + position) * d;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
+  if (cos != nullptr && plane_head < kv_heads) {
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+      int a, b;
+      float ya, yb;
+      rope_pair(src, j, d, interleaved, cos[row * half + j], sin[row * half + j], a, b, ya, yb);
+      dst[a] = from_f<T>(ya);
+      dst[b] = from_f<T>(yb);
+    }
+  } else {
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
+  }
 }
 
-// Every query row of qkv [rows, width] (its first `heads` heads of d) attending, as position at[2r + 1] of slot
-// at[2r], to positions 0..=that of the slot's cache in pool [slots, 2, kv_heads, capacity, d] (keys, then values);
-// out [rows, heads, d]. The rows of one sequence's block see the block's own keys up to themselves (written first by
+// Every query row of qkv [rows, width] (its first `heads` heads of d, not yet rotated: each block rotates its query
+// with cos and sin [rows, d / 2] as it reads it, in f32) attending, as position at[2r + 1] of slot at[2r], to
+// positions 0..=that of the slot's cache in pool [slots, 2, kv_heads, capacity, d] (keys, then values, the keys
+// rotated by write_kv); out [rows, heads, d]. The rows of one sequence's block see the block's own keys up to themselves (written first by
 // write_kv), so no mask is needed, and the rows of every sequence go in one launch. One block of ATTENTION_THREADS
 // per (row, query head). Every load is a 16-byte vector (d · sizeof(T) is a multiple of 16; the caller checks): a
 // thread per key for the scores, its key row read in d / V vectors; then groups of d / V threads, each thread V
@@ -82,8 +108,9 @@ __device__ void write_kv(const T *qkv, T *pool, const unsigned *at, int heads, i
 // (2026-12-04): latency, not bytes, and at most two such blocks a multiprocessor. Dynamic shared memory: `longest`
 // scores (the longest row's length), the query row, G × d partials.
 template <typename T>
-__device__ void rows_attention(const T *qkv, const T *pool, const unsigned *at, T *out, int heads, int kv_heads, int d,
-                               int capacity, int width, int longest, float scale) {
+__device__ void rows_attention(const T *qkv, const T *pool, const unsigned *at, const float *cos, const float *sin,
+                               int interleaved, T *out, int heads, int kv_heads, int d, int capacity, int width,
+                               int longest, float scale) {
   constexpr int V = 16 / sizeof(T);
   extern __shared__ float shared[];
   __shared__ float red[32];
@@ -95,7 +122,13 @@ __device__ void rows_attention(const T *qkv, const T *pool, const unsigned *at, 
   const T *q = qkv + (size_t)row * width + (size_t)h * d;
   const uint4 *k = reinterpret_cast<const uint4 *>(pool + (((size_t)slot * 2 * kv_heads) + kvh) * capacity * d);
   const uint4 *v = reinterpret_cast<const uint4 *>(pool + (((size_t)slot * 2 * kv_heads) + kv_heads + kvh) * capacity * d);
-  for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = to_f(q[i]) * scale;
+  for (int j = threadIdx.x; j < d / 2; j += blockDim.x) {
+    int a, b;
+    float ya, yb;
+    rope_pair(q, j, d, interleaved, cos[row * (d / 2) + j], sin[row * (d / 2) + j], a, b, ya, yb);
+    qs[a] = ya * scale;
+    qs[b] = yb * scale;
+  }
   __syncthreads();
   float m = -INFINITY;
   for (int j = threadIdx.x; j < len; j += blockDim.x) {
@@ -269,38 +302,41 @@ __device__ void matvec(const T *w, const T *x, const T *g, const T *r, T *y, int
 }
 
 #define FRSPEC_KERNELS(T, NAME)                                                                                       \
-  extern "C" __global__ void rope_qk_##NAME(T *qkv, const float *cos, const float *sin, int heads, int d, int width, \
+  extern "C" __global__ void rope_qk_##NAME(T *qkv, const float *cos, const float *sin, int heads, int d, int width,  \
                                             int interleaved) {                                                        \
-    rope_qk<T>(qkv, cos, sin, heads, d, width, interleaved);                                                         \
+    rope_qk<T>(qkv, cos, sin, heads, d, width, interleaved);                                                          \
   }                                                                                                                   \
   extern "C" __global__ void silu_mul_##NAME(const T *gate_up, T *out, size_t n, size_t width) {                      \
     silu_mul<T>(gate_up, out, n, width);                                                                              \
   }                                                                                                                   \
-  extern "C" __global__ void matvec_##NAME(const T *w, const T *x, T *y, int n, int k) {                            \
+  extern "C" __global__ void matvec_##NAME(const T *w, const T *x, T *y, int n, int k) {                              \
     matvec<T, false, false, false>(w, x, nullptr, nullptr, y, n, k, 0.0f);                                            \
   }                                                                                                                   \
   extern "C" __global__ void norm_matvec_##NAME(const T *w, const T *x, const T *g, T *y, int n, int k, float eps) {  \
     matvec<T, true, false, false>(w, x, g, nullptr, y, n, k, eps);                                                    \
   }                                                                                                                   \
-  extern "C" __global__ void norm_swiglu_matvec_##NAME(const T *w, const T *x, const T *g, T *y, int n, int k,         \
+  extern "C" __global__ void norm_swiglu_matvec_##NAME(const T *w, const T *x, const T *g, T *y, int n, int k,        \
                                                        float eps) {                                                   \
     matvec<T, true, false, true>(w, x, g, nullptr, y, n, k, eps);                                                     \
   }                                                                                                                   \
   extern "C" __global__ void matvec_add_##NAME(const T *w, const T *x, const T *r, T *y, int n, int k) {              \
     matvec<T, false, true, false>(w, x, nullptr, r, y, n, k, 0.0f);                                                   \
   }                                                                                                                   \
-  extern "C" __global__ void write_kv_##NAME(const T *qkv, T *pool, const unsigned *at, int heads, int kv_heads, int d, \
+  extern "C" __global__ void write_kv_##NAME(const T *qkv, T *pool, const unsigned *at, const float *cos,             \
+                                             const float *sin, int interleaved, int heads, int kv_heads, int d,       \
                                              int capacity, int width) {                                               \
-    write_kv<T>(qkv, pool, at, heads, kv_heads, d, capacity, width);                                                  \
+    write_kv<T>(qkv, pool, at, cos, sin, interleaved, heads, kv_heads, d, capacity, width);                           \
   }                                                                                                                   \
   extern "C" __global__ void argmax_chunks_##NAME(const T *x, float *best, unsigned *where, int cols,                 \
                                                   long long row_stride, int chunk) {                                  \
     argmax_chunks<T>(x, best, where, cols, row_stride, chunk);                                                        \
   }                                                                                                                   \
-  extern "C" __global__ void rows_attention_##NAME(const T *qkv, const T *pool, const unsigned *at, T *out, int heads, \
+  extern "C" __global__ void rows_attention_##NAME(const T *qkv, const T *pool, const unsigned *at, const float *cos, \
+                                                   const float *sin, int interleaved, T *out, int heads,              \
                                                    int kv_heads, int d, int capacity, int width, int longest,         \
                                                    float scale) {                                                     \
-    rows_attention<T>(qkv, pool, at, out, heads, kv_heads, d, capacity, width, longest, scale);                       \
+    rows_attention<T>(qkv, pool, at, cos, sin, interleaved, out, heads, kv_heads, d, capacity, width, longest,        \
+                      scale);                                                                                         \
   }
 
 FRSPEC_KERNELS(float, f32)

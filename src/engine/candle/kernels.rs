@@ -4,14 +4,16 @@
 //! below, so the one forward runs on either device and the tests check it against the CPU engine. Arithmetic is in
 //! f32 whatever the storage dtype.
 
+use super::llama::RopeTables;
 use crate::engine::cpu::model::RopeStyle;
 use anyhow::Result;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor, WithDType};
 
 /// Rotate the first `heads` heads (queries, then keys) of every row of `qkv` `[n, width]` in place, row i with
-/// `cos`, `sin` `[n, head_dim / 2]` (f32). One launch where RoPE of queries and of keys took two, plus copies.
-pub fn rotate_qk(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize, head_dim: usize, style: RopeStyle) -> Result<()> {
-    Ok(qkv.inplace_op3(cos, sin, &RotateQk { heads, head_dim, interleaved: style == RopeStyle::Interleaved })?)
+/// `rope`'s row i. One launch where RoPE of queries and of keys took two, plus copies. For attention by candle's
+/// products; `write_kv` and `rows_attention` rotate as they read.
+pub fn rotate_qk(qkv: &Tensor, rope: &RopeTables, heads: usize, head_dim: usize) -> Result<()> {
+    Ok(qkv.inplace_op3(&rope.cos, &rope.sin, &RotateQk { heads, head_dim, interleaved: rope.style == RopeStyle::Interleaved })?)
 }
 
 /// SiLU(gate) × up of `gate_up` `[n, 2 · width]` (gate, then up): `[n, width]`.
@@ -96,18 +98,21 @@ pub fn matvec_plus(x: &Tensor, w: &Tensor, r: &Tensor) -> Result<Tensor> {
 /// Write the keys and values of the rows of `qkv` `[rows, width]` (after `heads` query heads: `kv_heads` keys, then
 /// as many values, each of `pool`'s head dimension) into `pool` `[slots, 2, kv_heads, capacity, d]`, row r at slot
 /// `at[r][0]`, position `at[r][1]` (`at` `[rows, 2]`, u32). One launch for every row of every sequence of a forward,
-/// with no copy of the rows first.
-pub fn write_kv(pool: &Tensor, qkv: &Tensor, at: &Tensor, heads: usize) -> Result<()> {
-    Ok(pool.inplace_op3(qkv, at, &WriteKv { heads })?)
+/// with no copy of the rows first. With `rope` the keys are rotated on the way (row r with `rope`'s row r), as
+/// `rotate_qk` would have rotated them in `qkv`; without, rows already rotated are copied.
+pub fn write_kv(pool: &Tensor, qkv: &Tensor, at: &Tensor, heads: usize, rope: Option<&RopeTables>) -> Result<()> {
+    Ok(pool.inplace_op3(qkv, at, &WriteKv { heads, rotation: rope.map(Rotation::of) })?)
 }
 
 /// The attention of every query row of `qkv` `[rows, width]` (its first `heads` heads) at its own place `at[r]`
 /// (slot, position) over positions `0..=position` of that slot of `pool` `[slots, 2, kv_heads, capacity, d]`:
 /// `[rows, heads · d]`. Rows of one sequence's block see the block's own keys up to themselves (written first by
 /// `write_kv`), so no mask is needed; rows of several sequences go in one launch where scores, scale, softmax and
-/// the weighted sum took four launches a sequence. `longest` bounds every row's position + 1.
-pub fn rows_attention(qkv: &Tensor, pool: &Tensor, at: &Tensor, heads: usize, longest: usize) -> Result<Tensor> {
-    Ok(qkv.apply_op3_no_bwd(pool, at, &RowsAttention { heads, longest })?)
+/// the weighted sum took four launches a sequence. `longest` bounds every row's position + 1. The queries in `qkv`
+/// are not yet rotated: row r's are rotated with `rope`'s row r as they are read (the keys by `write_kv`), which
+/// saves `rotate_qk`'s launch a layer.
+pub fn rows_attention(qkv: &Tensor, pool: &Tensor, at: &Tensor, heads: usize, longest: usize, rope: &RopeTables) -> Result<Tensor> {
+    Ok(qkv.apply_op3_no_bwd(pool, at, &RowsAttention { heads, longest, rotation: Rotation::of(rope) })?)
 }
 
 /// Whether `rows_attention` takes rows attending over up to `len` positions of head dimension `d` in `dtype`: its
@@ -143,11 +148,53 @@ struct MatvecWith(Fold);
 
 struct WriteKv {
     heads: usize,
+    rotation: Option<Rotation>,
 }
 
 struct RowsAttention {
     heads: usize,
     longest: usize,
+    rotation: Rotation,
+}
+
+/// RoPE's cos and sin `[rows, d / 2]` (f32) of a forward's rows, held by an op that rotates as it reads (candle's ops
+/// take at most three operands, and these already have three).
+struct Rotation {
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+}
+
+impl Rotation {
+    fn of(rope: &RopeTables) -> Rotation {
+        Rotation { cos: rope.cos.clone(), sin: rope.sin.clone(), interleaved: rope.style == RopeStyle::Interleaved }
+    }
+
+    /// The tables' values on the host, for the CPU twins.
+    fn angles(&self) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+        Ok((self.cos.flatten_all()?.to_vec1()?, self.sin.flatten_all()?.to_vec1()?))
+    }
+}
+
+/// Row i of RoPE tables `cos`, `sin` `[rows, d / 2]` applied to a head of d values, in f32 (the kernels' rope_pair).
+struct Angles<'a> {
+    cos: &'a [f32],
+    sin: &'a [f32],
+    interleaved: bool,
+}
+
+impl Angles<'_> {
+    /// Head `x` of row `i`, rotated, into `out` (f32).
+    fn rotate<T: WithDType>(&self, i: usize, x: &[T], out: &mut [f32]) {
+        let half = x.len() / 2;
+        for j in 0..half {
+            let (c, s) = (self.cos[i * half + j], self.sin[i * half + j]);
+            let (a, b) = if self.interleaved { (2 * j, 2 * j + 1) } else { (j, j + half) };
+            let (xa, xb) = (x[a].to_f64() as f32, x[b].to_f64() as f32);
+            out[a] = xa * c - xb * s;
+            out[b] = xa * s + xb * c;
+        }
+    }
 }
 
 /// A pool's dimensions `[slots, 2, kv_heads, capacity, d]` as (kv_heads, capacity, d).
@@ -187,11 +234,11 @@ impl InplaceOp3 for RotateQk {
             candle_core::bail!("rotate-qk: cos and sin are f32")
         };
         let width = l1.dims()[1];
-        let (cos, sin) = (&cos[o2..e2], &sin[o3..e3]);
+        let angles = Angles { cos: &cos[o2..e2], sin: &sin[o3..e3], interleaved: self.interleaved };
         match s1 {
-            CpuStorage::F32(x) => self.rotate(&mut x[o1..e1], width, cos, sin),
-            CpuStorage::BF16(x) => self.rotate(&mut x[o1..e1], width, cos, sin),
-            CpuStorage::F16(x) => self.rotate(&mut x[o1..e1], width, cos, sin),
+            CpuStorage::F32(x) => self.rotate(&mut x[o1..e1], width, &angles),
+            CpuStorage::BF16(x) => self.rotate(&mut x[o1..e1], width, &angles),
+            CpuStorage::F16(x) => self.rotate(&mut x[o1..e1], width, &angles),
             _ => candle_core::bail!("rotate-qk: f32, bf16 or f16 rows"),
         }
         Ok(())
@@ -204,17 +251,12 @@ impl InplaceOp3 for RotateQk {
 }
 
 impl RotateQk {
-    fn rotate<T: WithDType>(&self, x: &mut [T], width: usize, cos: &[f32], sin: &[f32]) {
-        let (d, half) = (self.head_dim, self.head_dim / 2);
+    fn rotate<T: WithDType>(&self, x: &mut [T], width: usize, angles: &Angles) {
+        let mut rotated = vec![0f32; self.head_dim];
         for (i, row) in x.chunks_exact_mut(width).enumerate() {
-            for head in row[..self.heads * d].chunks_exact_mut(d) {
-                for j in 0..half {
-                    let (c, s) = (cos[i * half + j], sin[i * half + j]);
-                    let (a, b) = if self.interleaved { (2 * j, 2 * j + 1) } else { (j, j + half) };
-                    let (xa, xb) = (head[a].to_f64() as f32, head[b].to_f64() as f32);
-                    head[a] = T::from_f64((xa * c - xb * s) as f64);
-                    head[b] = T::from_f64((xa * s + xb * c) as f64);
-                }
+            for head in row[..self.heads * self.head_dim].chunks_exact_mut(self.head_dim) {
+                angles.rotate(i, head, &mut rotated);
+                head.iter_mut().zip(&rotated).for_each(|(h, &r)| *h = T::from_f64(r as f64));
             }
         }
     }
@@ -382,10 +424,13 @@ impl InplaceOp3 for WriteKv {
         let (kv_heads, capacity, d) = pool_dims(l1)?;
         let (width, places) = (l2.dims()[1], places(s3, l3, l1, usize::MAX, self.name())?);
         let shape = PoolShape { heads: self.heads, kv_heads, capacity, d };
+        let tables = self.rotation.as_ref().map(Rotation::angles).transpose()?;
+        let angles = tables.as_ref().zip(self.rotation.as_ref()).map(|((cos, sin), r)| Angles { cos, sin, interleaved: r.interleaved });
+        let angles = angles.as_ref();
         match (s1, s2) {
-            (CpuStorage::F32(pool), CpuStorage::F32(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places),
-            (CpuStorage::BF16(pool), CpuStorage::BF16(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places),
-            (CpuStorage::F16(pool), CpuStorage::F16(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places),
+            (CpuStorage::F32(pool), CpuStorage::F32(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, angles),
+            (CpuStorage::BF16(pool), CpuStorage::BF16(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, angles),
+            (CpuStorage::F16(pool), CpuStorage::F16(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, angles),
             _ => candle_core::bail!("write-kv: f32, bf16 or f16 operands of one dtype"),
         }
         Ok(())
@@ -407,10 +452,12 @@ impl CustomOp3 for RowsAttention {
         let (kv_heads, capacity, d) = pool_dims(l2)?;
         let (rows, width, places) = (l1.dims()[0], l1.dims()[1], places(s3, l3, l2, self.longest, self.name())?);
         let shape = PoolShape { heads: self.heads, kv_heads, capacity, d };
+        let (cos, sin) = self.rotation.angles()?;
+        let angles = Angles { cos: &cos, sin: &sin, interleaved: self.rotation.interleaved };
         let out = match (s1, s2) {
-            (CpuStorage::F32(qkv), CpuStorage::F32(pool)) => CpuStorage::F32(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
-            (CpuStorage::BF16(qkv), CpuStorage::BF16(pool)) => CpuStorage::BF16(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
-            (CpuStorage::F16(qkv), CpuStorage::F16(pool)) => CpuStorage::F16(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places)),
+            (CpuStorage::F32(qkv), CpuStorage::F32(pool)) => CpuStorage::F32(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places, &angles)),
+            (CpuStorage::BF16(qkv), CpuStorage::BF16(pool)) => CpuStorage::BF16(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places, &angles)),
+            (CpuStorage::F16(qkv), CpuStorage::F16(pool)) => CpuStorage::F16(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places, &angles)),
             _ => candle_core::bail!("rows-attention: f32, bf16 or f16 operands of one dtype"),
         };
         Ok((out, Shape::from((rows, self.heads * d))))
@@ -432,29 +479,39 @@ struct PoolShape {
 }
 
 impl PoolShape {
-    /// Every row's keys and values into its slot at its position.
-    fn write<T: WithDType>(&self, pool: &mut [T], qkv: &[T], width: usize, places: &[(usize, usize)]) {
+    /// Every row's keys and values into its slot at its position, the keys rotated on the way when `angles` are given.
+    fn write<T: WithDType>(&self, pool: &mut [T], qkv: &[T], width: usize, places: &[(usize, usize)], angles: Option<&Angles>) {
         let d = self.d;
-        for (row, &(slot, position)) in qkv.chunks_exact(width).zip(places) {
+        let mut rotated = vec![0f32; d];
+        for (i, (row, &(slot, position))) in qkv.chunks_exact(width).zip(places).enumerate() {
             for plane_head in 0..2 * self.kv_heads {
                 let at = ((slot * 2 * self.kv_heads + plane_head) * self.capacity + position) * d;
-                pool[at..at + d].copy_from_slice(&row[(self.heads + plane_head) * d..][..d]);
+                let (dst, src) = (&mut pool[at..at + d], &row[(self.heads + plane_head) * d..][..d]);
+                match angles {
+                    Some(angles) if plane_head < self.kv_heads => {
+                        angles.rotate(i, src, &mut rotated);
+                        dst.iter_mut().zip(&rotated).for_each(|(x, &r)| *x = T::from_f64(r as f64));
+                    }
+                    _ => dst.copy_from_slice(src),
+                }
             }
         }
     }
 
-    /// Each row's heads in turn, rows spread over the CPU's threads (a prompt's rows are many).
-    fn attend<T: WithDType>(&self, qkv: &[T], pool: &[T], width: usize, places: &[(usize, usize)]) -> Vec<T> {
+    /// Each row's heads in turn, each query rotated with `angles` first, rows spread over the CPU's threads (a prompt's
+    /// rows are many).
+    fn attend<T: WithDType>(&self, qkv: &[T], pool: &[T], width: usize, places: &[(usize, usize)], angles: &Angles) -> Vec<T> {
         use rayon::prelude::*;
         let (d, group) = (self.d, self.heads / self.kv_heads);
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = vec![T::zero(); places.len() * self.heads * d];
-        out.par_chunks_mut(self.heads * d).zip(qkv.par_chunks(width)).zip(places).for_each(|((out, row), &(slot, position))| {
+        out.par_chunks_mut(self.heads * d).zip(qkv.par_chunks(width)).zip(places).enumerate().for_each(|(i, ((out, row), &(slot, position)))| {
             let at = |plane: usize, head: usize, j: usize| &pool[(((slot * 2 + plane) * self.kv_heads + head) * self.capacity + j) * d..][..d];
-            let mut scores = vec![0f32; position + 1];
+            let (mut scores, mut q) = (vec![0f32; position + 1], vec![0f32; d]);
             for (h, (qh, out)) in row[..self.heads * d].chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+                angles.rotate(i, qh, &mut q);
                 for (j, s) in scores.iter_mut().enumerate() {
-                    *s = qh.iter().zip(at(0, h / group, j)).map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32).sum::<f32>() * scale;
+                    *s = q.iter().zip(at(0, h / group, j)).map(|(a, b)| a * b.to_f64() as f32).sum::<f32>() * scale;
                 }
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 scores.iter_mut().for_each(|s| *s = (*s - max).exp());
@@ -470,8 +527,8 @@ impl PoolShape {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{pool_dims, span, Fold, RotateQk, RowsAttention, WriteKv};
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use super::{pool_dims, span, Fold, RotateQk, Rotation, RowsAttention, WriteKv};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::backend::BackendStorage;
     use candle_core::{builder_arg, CudaStorage, DType, Layout, Result, Shape};
@@ -508,6 +565,27 @@ mod cuda {
 
     fn grid(blocks: usize, threads: usize, shared: usize) -> LaunchConfig {
         LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: shared as u32 }
+    }
+
+    /// A rotation's tables as read-locked storage, to be viewed on the device by `views` while the guards live.
+    struct Tables<'a> {
+        cos: (candle_core::StorageRef<'a>, &'a Layout),
+        sin: (candle_core::StorageRef<'a>, &'a Layout),
+    }
+
+    impl<'a> Tables<'a> {
+        fn of(r: &'a Rotation) -> Tables<'a> {
+            Tables { cos: r.cos.storage_and_layout(), sin: r.sin.storage_and_layout() }
+        }
+
+        fn views(&self, op: &str) -> Result<(CudaView<'_, f32>, CudaView<'_, f32>)> {
+            fn view<'s>((s, l): &'s (candle_core::StorageRef<'_>, &Layout), op: &str) -> Result<CudaView<'s, f32>> {
+                let candle_core::Storage::Cuda(c) = &**s else { candle_core::bail!("{op}: RoPE tables on another device") };
+                let (o, e) = span(l, op)?;
+                Ok(c.as_cuda_slice::<f32>()?.slice(o..e))
+            }
+            Ok((view(&self.cos, op)?, view(&self.sin, op)?))
+        }
     }
 
     pub(super) fn rotate_qk(op: &RotateQk, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, s3: &CudaStorage, l3: &Layout) -> Result<()> {
@@ -639,12 +717,27 @@ mod cuda {
             let (dev, dtype) = (s1.device.clone(), s1.dtype());
             let (qkv, at) = (s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<u32>()?.slice(o3..e3));
             let mut pool = s1.as_cuda_slice_mut::<T>()?.slice_mut(o1..e1);
+            let tables = op.rotation.as_ref().map(Tables::of);
+            let views = tables.as_ref().map(|t| t.views("write-kv")).transpose()?;
+            // Null tables: the rows are copied as they are.
+            let null = 0u64;
             // A block per (row, key or value head), a thread per element of the head.
             launch!(dev, "write_kv", dtype, grid(rows * 2 * kv_heads, d.next_multiple_of(32).min(1024), 0), |b| {
                 b.arg(&qkv);
                 b.arg(&mut pool);
                 b.arg(&at);
-                builder_arg!(b, op.heads as i32, kv_heads as i32, d as i32, capacity as i32, width as i32);
+                match &views {
+                    Some((cos, sin)) => {
+                        b.arg(cos);
+                        b.arg(sin);
+                    }
+                    None => {
+                        b.arg(&null);
+                        b.arg(&null);
+                    }
+                }
+                let interleaved = op.rotation.as_ref().is_some_and(|r| r.interleaved) as i32;
+                builder_arg!(b, interleaved, op.heads as i32, kv_heads as i32, d as i32, capacity as i32, width as i32);
             });
             Ok(())
         }
@@ -658,6 +751,8 @@ mod cuda {
             let (rows, width) = (l1.dims()[0], l1.dims()[1]);
             let dev = &s1.device;
             let (qkv, pool, at) = (s1.as_cuda_slice::<T>()?.slice(o1..e1), s2.as_cuda_slice::<T>()?.slice(o2..e2), s3.as_cuda_slice::<u32>()?.slice(o3..e3));
+            let tables = Tables::of(&op.rotation);
+            let (cos, sin) = tables.views("rows-attention")?;
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(rows * op.heads * d)? };
             let scale = 1.0f32 / (d as f32).sqrt();
@@ -668,6 +763,9 @@ mod cuda {
                 b.arg(&qkv);
                 b.arg(&pool);
                 b.arg(&at);
+                b.arg(&cos);
+                b.arg(&sin);
+                builder_arg!(b, op.rotation.interleaved as i32);
                 b.arg(&out);
                 builder_arg!(b, op.heads as i32, kv_heads as i32, d as i32, capacity as i32, width as i32, op.longest as i32, scale);
             });

@@ -269,9 +269,7 @@ impl Layer {
             (None, Some(g)) => self.qkv.forward_normed(x, g, s.rms_eps)?,
             (None, None) => self.qkv.forward(x)?,
         };
-        rotate_qk(&qkv, &rope.cos, &rope.sin, s.heads + s.kv_heads, s.head_dim, rope.style)?;
-        write_kv(kv, &qkv, &placed.at, s.heads)?;
-        let attended = placed.attend(&qkv, kv, s.heads, s.head_dim)?;
+        let attended = placed.attend(&qkv, kv, rope, s.heads, s.head_dim)?;
         let x = self.o.forward_plus(&attended, x)?;
         self.down.forward_plus(&self.gate_up.forward_normed_swiglu(&x, &self.ffn_norm, s.rms_eps)?, &x)
     }
@@ -300,11 +298,17 @@ impl Placed {
         self.segments.iter().map(|s| (s.start, s.rows)).collect()
     }
 
-    /// The attention of every query row of `qkv` over its own sequence's cache in `kv`: `[rows, heads · d]`.
-    fn attend(&self, qkv: &Tensor, kv: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
+    /// Every row's keys and values (rotated by `rope`) into `kv`, then the attention of every query row of `qkv` (not
+    /// yet rotated) over its own sequence's cache: `[rows, heads · d]`. The fused kernels rotate as they read; candle's
+    /// products need the rows rotated first.
+    fn attend(&self, qkv: &Tensor, kv: &Tensor, rope: &RopeTables, heads: usize, d: usize) -> Result<Tensor> {
         if self.fused {
-            return rows_attention(qkv, kv, &self.at, heads, self.longest);
+            write_kv(kv, qkv, &self.at, heads, Some(rope))?;
+            return rows_attention(qkv, kv, &self.at, heads, self.longest, rope);
         }
+        let kv_heads = kv.dim(2)?;
+        rotate_qk(qkv, rope, heads + kv_heads, d)?;
+        write_kv(kv, qkv, &self.at, heads, None)?;
         let mut attended = Vec::with_capacity(self.segments.len());
         let mut row = 0;
         for seg in &self.segments {
@@ -484,7 +488,7 @@ impl Cache {
             for kv in &state.buffers {
                 // [2, kv_heads, len, d] as rows [len, 2 · kv_heads · d]: a row's keys, then its values.
                 let rows = kv.get(from.slot)?.narrow(2, 0, len)?.permute((2, 0, 1, 3))?.contiguous()?.reshape((len, 2 * pool.kv_heads * pool.head_dim))?;
-                write_kv(kv, &rows, &at, 0)?;
+                write_kv(kv, &rows, &at, 0, None)?;
             }
         }
         self.len = len;
