@@ -28,20 +28,27 @@ __device__ __forceinline__ void rope_pair(const T *x, int j, int d, int interlea
   yb = xa * s + xb * c;
 }
 
+// A head of d values from src rotated into dst (which may be src) with one row's cos and sin [d / 2], the block's
+// threads taking its pairs in turn.
+template <typename T>
+__device__ void rotate_head(const T *src, T *dst, const float *cos, const float *sin, int d, int interleaved) {
+  for (int j = threadIdx.x; j < d / 2; j += blockDim.x) {
+    int a, b;
+    float ya, yb;
+    rope_pair(src, j, d, interleaved, cos[j], sin[j], a, b, ya, yb);
+    dst[a] = from_f<T>(ya);
+    dst[b] = from_f<T>(yb);
+  }
+}
+
 // Rows of qkv [n, width]: the first `heads` heads of head_dim d (queries, then keys) rotated in place with cos, sin
 // [n, d / 2] (f32). One block per (row, head). Used where attention is candle's products; the fused path rotates
 // keys in write_kv and queries in rows_attention, a launch a layer fewer.
 template <typename T>
 __device__ void rope_qk(T *qkv, const float *cos, const float *sin, int heads, int d, int width, int interleaved) {
-  const int row = blockIdx.x / heads, head = blockIdx.x % heads, half = d / 2;
+  const int row = blockIdx.x / heads, head = blockIdx.x % heads;
   T *x = qkv + (size_t)row * width + (size_t)head * d;
-  for (int j = threadIdx.x; j < half; j += blockDim.x) {
-    int a, b;
-    float ya, yb;
-    rope_pair(x, j, d, interleaved, cos[row * half + j], sin[row * half + j], a, b, ya, yb);
-    x[a] = from_f<T>(ya);
-    x[b] = from_f<T>(yb);
-  }
+  rotate_head(x, x, cos + (size_t)row * (d / 2), sin + (size_t)row * (d / 2), d, interleaved);
 }
 
 // out [n, width] = silu(gate) * up of gate_up [n, 2 * width].
@@ -79,18 +86,12 @@ __device__ float block_reduce(float v, float *red, bool is_max) {
 template <typename T>
 __device__ void write_kv(const T *qkv, T *pool, const unsigned *at, const float *cos, const float *sin, int interleaved,
                          int heads, int kv_heads, int d, int capacity, int width) {
-  const int per_row = 2 * kv_heads, row = blockIdx.x / per_row, plane_head = blockIdx.x % per_row, half = d / 2;
+  const int per_row = 2 * kv_heads, row = blockIdx.x / per_row, plane_head = blockIdx.x % per_row;
   const unsigned slot = at[2 * row], position = at[2 * row + 1];
   const T *src = qkv + (size_t)row * width + (size_t)(heads + plane_head) * d;
   T *dst = pool + (((size_t)slot * per_row + plane_head) * capacity + position) * d;
   if (cos != nullptr && plane_head < kv_heads) {
-    for (int j = threadIdx.x; j < half; j += blockDim.x) {
-      int a, b;
-      float ya, yb;
-      rope_pair(src, j, d, interleaved, cos[row * half + j], sin[row * half + j], a, b, ya, yb);
-      dst[a] = from_f<T>(ya);
-      dst[b] = from_f<T>(yb);
-    }
+    rotate_head(src, dst, cos + (size_t)row * (d / 2), sin + (size_t)row * (d / 2), d, interleaved);
   } else {
     for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
   }
