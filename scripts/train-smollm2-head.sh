@@ -11,10 +11,11 @@
 # 12,289 most frequent ids, FR-Spec's own idea applied to training: a step costs a quarter of a full-vocabulary one),
 # true features only. About 10,100 s when timed (results/train/smollm2-135m-eagle1.md); since 2026-12-03 a training
 # step takes ≈ 0.73-0.78 of its time then and an answer ≈ 0.86 (results/train/training-speed-2026-12-03.md). Then
-# two epochs from that head over the first 4,800 distinct ShareGPT requests answered by the target with 8-bit
+# two epochs from that head over the first 8,800 distinct ShareGPT requests answered by the target with 8-bit
 # activations (lr 3e-4, warm-up 20), against the whole vocabulary (a step ≈ 2.3x a keep-set one; +0.080 at full
-# vocabulary over the same stage against the keep set, the same at ratios 0.5-0.9): answers 2,233 s and training
-# ≈ 3,100 s alone on the 2-core Intel VM of 2026-12-04, +0.171 acceptance length on MT-Bench over stage one's head.
+# vocabulary over the same stage against the keep set on 4,800 requests, +0.028 more from 8,800): answers ≈ 3,200 s
+# (0.36 s each alone, estimated) and training 6,108 s (1.28-1.4 s a step) on the 2-core Intel VM of 2026-12-04,
+# +0.199 acceptance length on MT-Bench over stage one's head.
 #
 # eagle3 (heads/smollm2-135m-eagle3/, preset smollm2-eagle3): the first 2,400 distinct ShareGPT requests answered by
 # the target, its residual streams entering layers 2, 15 and 27 kept; a draft vocabulary of the 8,192 ids its
@@ -43,8 +44,8 @@ cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
           recipe=(--prompts 2400 --continuations 1500 --self-prompts 2800 --freq brown-smollm2 --ratio 0.75); steps=10050
-          second=(--prompts 0 --sharegpt 4800); second_name=sg4800-2ep-q8-fullvocab
-          second_steps=2400; second_activations=q8 ;;
+          second=(--prompts 0 --sharegpt 8800); second_name=sg8800-2ep-q8-fullvocab
+          second_steps=4400; second_activations=q8 ;;
   eagle3) run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
           recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400
           second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200 ;;
