@@ -82,6 +82,14 @@ struct Rope {
   }
   int a(int j) const { return interleaved ? 2 * j : j; }
   int b(int j) const { return interleaved ? 2 * j + 1 : j + d / 2; }
+  // Head x of row r rotated into out, computed in F (double for a reference, float as the kernels compute it).
+  template <typename F, typename T> void rotate(int r, const T *x, F *out) const {
+    for (int j = 0; j < d / 2; ++j) {
+      const F c = cos[r * d / 2 + j], s = sin[r * d / 2 + j], xa = to_f(x[a(j)]), xb = to_f(x[b(j)]);
+      out[a(j)] = xa * c - xb * s;
+      out[b(j)] = xa * s + xb * c;
+    }
+  }
 };
 
 // rows_attention against attention in double, as launched by kernels.rs (256 threads), each query rotated by RoPE (in
@@ -113,13 +121,8 @@ double attention(int heads, int kv_heads, int d, int slots, int capacity, int ro
   for (int r = 0; r < rows; ++r)
     for (int h = 0; h < heads; ++h) {
       const int kvh = h / (heads / kv_heads), slot = at[2 * r], len = at[2 * r + 1] + 1;
-      const T *x = &qkv[r * width + h * d];
       std::vector<double> q(d);
-      for (int j = 0; j < d / 2; ++j) {
-        const double c = rope.cos[r * d / 2 + j], s = rope.sin[r * d / 2 + j], xa = to_f(x[rope.a(j)]), xb = to_f(x[rope.b(j)]);
-        q[rope.a(j)] = xa * c - xb * s;
-        q[rope.b(j)] = xa * s + xb * c;
-      }
+      rope.rotate(r, &qkv[r * width + h * d], q.data());
       const T *k = &pool[(((size_t)slot * 2 * kv_heads) + kvh) * capacity * d];
       const T *v = &pool[(((size_t)slot * 2 * kv_heads) + kv_heads + kvh) * capacity * d];
       std::vector<double> p(len);
@@ -172,12 +175,11 @@ int write(int heads, int kv_heads, int d, int slots, int capacity, int rows, int
       const T *src = &qkv[r * width + (heads + plane_head) * d];
       T *dst = &want[(((size_t)at[2 * r] * 2 * kv_heads + plane_head) * capacity + at[2 * r + 1]) * d];
       for (int i = 0; i < d; ++i) dst[i] = src[i];
-      if (rotate && plane_head < kv_heads)
-        for (int j = 0; j < d / 2; ++j) {
-          const float c = rope.cos[r * d / 2 + j], s = rope.sin[r * d / 2 + j], xa = to_f(src[rope.a(j)]), xb = to_f(src[rope.b(j)]);
-          dst[rope.a(j)] = from_f<T>(xa * c - xb * s);
-          dst[rope.b(j)] = from_f<T>(xa * s + xb * c);
-        }
+      if (rotate && plane_head < kv_heads) {
+        std::vector<float> rotated(d);
+        rope.rotate(r, src, rotated.data());
+        for (int i = 0; i < d; ++i) dst[i] = from_f<T>(rotated[i]);
+      }
     }
   int wrong = 0;
   for (size_t i = 0; i < pool.size(); ++i) wrong += to_f(pool[i]) != to_f(want[i]);

@@ -8,6 +8,7 @@ use super::llama::RopeTables;
 use crate::engine::cpu::model::RopeStyle;
 use anyhow::Result;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor, WithDType};
+use std::borrow::Cow;
 
 /// Rotate the first `heads` heads (queries, then keys) of every row of `qkv` `[n, width]` in place, row i with
 /// `rope`'s row i. One launch where RoPE of queries and of keys took two, plus copies. For attention by candle's
@@ -171,15 +172,17 @@ impl Rotation {
     }
 
     /// The tables' values on the host, for the CPU twins.
-    fn angles(&self) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
-        Ok((self.cos.flatten_all()?.to_vec1()?, self.sin.flatten_all()?.to_vec1()?))
+    fn angles(&self) -> candle_core::Result<Angles<'static>> {
+        let values = |t: &Tensor| -> candle_core::Result<Cow<'static, [f32]>> { Ok(Cow::Owned(t.flatten_all()?.to_vec1()?)) };
+        Ok(Angles { cos: values(&self.cos)?, sin: values(&self.sin)?, interleaved: self.interleaved })
     }
 }
 
-/// Row i of RoPE tables `cos`, `sin` `[rows, d / 2]` applied to a head of d values, in f32 (the kernels' rope_pair).
+/// Row i of RoPE tables `cos`, `sin` `[rows, d / 2]` applied to a head of d values, in f32 (the kernels' rope_pair):
+/// the tables borrowed from an operand (`rotate_qk`) or copied from a `Rotation`'s.
 struct Angles<'a> {
-    cos: &'a [f32],
-    sin: &'a [f32],
+    cos: Cow<'a, [f32]>,
+    sin: Cow<'a, [f32]>,
     interleaved: bool,
 }
 
@@ -234,7 +237,7 @@ impl InplaceOp3 for RotateQk {
             candle_core::bail!("rotate-qk: cos and sin are f32")
         };
         let width = l1.dims()[1];
-        let angles = Angles { cos: &cos[o2..e2], sin: &sin[o3..e3], interleaved: self.interleaved };
+        let angles = Angles { cos: Cow::Borrowed(&cos[o2..e2]), sin: Cow::Borrowed(&sin[o3..e3]), interleaved: self.interleaved };
         match s1 {
             CpuStorage::F32(x) => self.rotate(&mut x[o1..e1], width, &angles),
             CpuStorage::BF16(x) => self.rotate(&mut x[o1..e1], width, &angles),
@@ -424,8 +427,7 @@ impl InplaceOp3 for WriteKv {
         let (kv_heads, capacity, d) = pool_dims(l1)?;
         let (width, places) = (l2.dims()[1], places(s3, l3, l1, usize::MAX, self.name())?);
         let shape = PoolShape { heads: self.heads, kv_heads, capacity, d };
-        let tables = self.rotation.as_ref().map(Rotation::angles).transpose()?;
-        let angles = tables.as_ref().zip(self.rotation.as_ref()).map(|((cos, sin), r)| Angles { cos, sin, interleaved: r.interleaved });
+        let angles = self.rotation.as_ref().map(Rotation::angles).transpose()?;
         let angles = angles.as_ref();
         match (s1, s2) {
             (CpuStorage::F32(pool), CpuStorage::F32(qkv)) => shape.write(&mut pool[o1..e1], &qkv[o2..e2], width, &places, angles),
@@ -452,8 +454,7 @@ impl CustomOp3 for RowsAttention {
         let (kv_heads, capacity, d) = pool_dims(l2)?;
         let (rows, width, places) = (l1.dims()[0], l1.dims()[1], places(s3, l3, l2, self.longest, self.name())?);
         let shape = PoolShape { heads: self.heads, kv_heads, capacity, d };
-        let (cos, sin) = self.rotation.angles()?;
-        let angles = Angles { cos: &cos, sin: &sin, interleaved: self.rotation.interleaved };
+        let angles = self.rotation.angles()?;
         let out = match (s1, s2) {
             (CpuStorage::F32(qkv), CpuStorage::F32(pool)) => CpuStorage::F32(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places, &angles)),
             (CpuStorage::BF16(qkv), CpuStorage::BF16(pool)) => CpuStorage::BF16(shape.attend(&qkv[o1..e1], &pool[o2..e2], width, &places, &angles)),
