@@ -24,7 +24,7 @@ use crate::files::write_atomic;
 use crate::loading::target::Target;
 use crate::vocab::KeepSet;
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
@@ -566,11 +566,6 @@ fn dequantized(m: &crate::engine::cpu::tensor::Matrix) -> Result<Tensor> {
     llama::dense(m, &Device::Cpu, DType::F32)
 }
 
-fn log_softmax(x: &Tensor) -> Result<Tensor> {
-    let shifted = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?;
-    Ok(shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)?)
-}
-
 /// Keys and values of each sequence of a pass, after RoPE: what later draft positions attend to.
 type Keys = Vec<(Tensor, Tensor)>;
 
@@ -786,8 +781,8 @@ struct Targets {
 
 impl Targets {
     fn new(rows: Tensor, features: Tensor, head: &Tensor) -> Result<Targets> {
-        let (p, entropy) = distributions(&features.matmul(&head.t()?)?)?;
-        Ok(Targets { rows, features, argmax: p.argmax(1)?, p, entropy })
+        let ops::Distributions { p, entropy, argmax } = ops::distributions(&features.matmul(&head.t()?)?)?;
+        Ok(Targets { rows, features, p, entropy, argmax })
     }
 
     /// The targets of the counted rows at sequence position `from` or later.
@@ -805,19 +800,10 @@ impl Targets {
     }
 }
 
-/// The distributions softmax(`logits`) row by row, and each row's entropy, from log-probabilities: a probability
-/// that underflows to 0 adds 0, not 0 · −∞.
-fn distributions(logits: &Tensor) -> Result<(Tensor, Tensor)> {
-    let log_p = log_softmax(logits)?;
-    let p = log_p.exp()?;
-    let entropy = p.mul(&log_p)?.sum(1)?.neg()?;
-    Ok((p, entropy))
-}
-
 /// Forward KL from the distribution of `teacher_logits` to that of `logits` (rows of each), averaged over rows.
 pub fn kl_divergence(teacher_logits: &Tensor, logits: &Tensor) -> Result<Tensor> {
-    let (p, entropy) = distributions(teacher_logits)?;
-    forward_kl(&ops::soft_cross_entropy(logits, &p)?.mean_all()?, &entropy)
+    let teacher = ops::distributions(teacher_logits)?;
+    forward_kl(&ops::soft_cross_entropy(logits, &teacher.p)?.mean_all()?, &teacher.entropy)
 }
 
 /// KL(p ‖ q) averaged over rows, from the mean cross-entropy against p and the rows' entropies H(p): the difference.

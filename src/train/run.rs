@@ -248,6 +248,21 @@ pub struct Trained {
 }
 
 /// Train (or resume) a head; `None` for `--steps 0`, which writes the untrained head and logs no steps.
+/// A training step allocates several f32 tensors of [positions, vocabulary] (≈ 100 MB at SmolLM2's 49,152 ids, well
+/// above glibc's 32 MiB ceiling for serving from the heap), each of which glibc maps afresh and unmaps when freed,
+/// so every step faulted in and zeroed new pages: a fifth of a whole-vocabulary step's samples. Served from the heap
+/// and kept there when freed, the next step's tensors reuse the same pages (the same bits;
+/// results/train/training-speed-2026-12-04.md). Set here, not for every command: sweeps allocate nothing that size.
+/// No crate exposes glibc's allocator settings but libc's binding.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes the allocator's thresholds; memory already handed out is unaffected.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
 pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     let s = &o.settings;
     if s.batch == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
@@ -280,6 +295,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             bail!("--arch eagle3 --steps 0: the draft vocabulary comes from the teacher data, so an untrained head needs at least one step");
         }
     }
+    keep_freed_memory();
     let freq = o.freq.as_deref().map(crate::vocab::freq_path).transpose()?;
     let files = crate::vocab::corpus_files(&o.corpus)?;
     let mut lines = Vec::new();
