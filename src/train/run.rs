@@ -252,7 +252,7 @@ pub struct Trained {
 /// above glibc's 32 MiB ceiling for serving from the heap), each of which glibc maps afresh and unmaps when freed,
 /// so every step faulted in and zeroed new pages: a fifth of a whole-vocabulary step's samples. Served from the heap
 /// and kept there when freed, the next step's tensors reuse the same pages (the same bits;
-/// results/train/training-speed-2026-12-04.md). Set here, not for every command: sweeps allocate nothing that size.
+/// results/train/training-speed-2026-12-03.md, its last section). Set here, not for every command: sweeps allocate nothing that size.
 /// No crate exposes glibc's allocator settings but libc's binding.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
