@@ -14,7 +14,8 @@
 # two epochs from that head over the first 8,800 distinct ShareGPT requests answered by the target with 8-bit
 # activations (lr 3e-4, warm-up 20), against the whole vocabulary (a step ≈ 2.3x a keep-set one; +0.080 at full
 # vocabulary over the same stage against the keep set on 4,800 requests, +0.028 more from 8,800): answers ≈ 3,200 s
-# (0.36 s each alone, estimated) and training 6,108 s (1.28-1.4 s a step) on the 2-core Intel VM of 2026-12-04,
+# (0.36 s each alone, estimated) and training 6,108 s (1.28-1.4 s a step; ≈ 1.0 s since the training-speed change
+# of late 2026-12-04, the same bits) on the 2-core Intel VM of 2026-12-04,
 # +0.199 acceptance length on MT-Bench over stage one's head.
 #
 # eagle3 (heads/smollm2-135m-eagle3/, preset smollm2-eagle3): the first 2,400 distinct ShareGPT requests answered by
