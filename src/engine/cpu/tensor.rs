@@ -543,8 +543,7 @@ enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
-    /// 16-lane AVX-512 for dense rows (AVX2's bits, half the multiply-adds) and block-quantized rows (half the
-    /// unpacking instructions), and the AVX2
+    /// AVX2 for dense rows, 16-lane AVX-512 for block-quantized rows (half the unpacking instructions), and the AVX2
     /// integer K-quant kernel with AVX-512's 32 vector registers (a group of 8 activation rows spills in 16).
     #[cfg(target_arch = "x86_64")]
     Avx512,
@@ -581,43 +580,9 @@ impl Kernel {
     }
 }
 
-/// `out[j]` = the dot product of `q` with `rows[j · stride..][..q.len()]`, with the arithmetic of a weight row of f32
-/// storage: attention's scores of one query over a cache's keys. The vector kernels take four keys at once (four
-/// independent chains of multiply-adds, `q` loaded once for them), where one product a key waited on its own chain
-/// and horizontal sum.
-pub fn dots_strided(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-    dots_strided_with(Kernel::detect(), q, rows, stride, out)
-}
-
-fn dots_strided_with(kernel: Kernel, q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-    assert!(out.is_empty() || (out.len() - 1) * stride + q.len() <= rows.len());
-    let n = q.len();
-    #[cfg(target_arch = "x86_64")]
-    {
-        let (mut j, x) = (0, rows.as_ptr());
-        // SAFETY: the kernels are only chosen when the CPU reports their features (`Kernel::available`); every key
-        // read lies within `rows` (checked above).
-        let group = |j: usize, out: &mut [f32]| match (kernel, out.len()) {
-            (Kernel::Avx512, 4) => out.copy_from_slice(&unsafe { avx512::dots_f32_at::<4>(q, x.add(j * stride), stride) }),
-            (Kernel::Avx512, _) => out[0] = unsafe { avx512::dots_f32_at::<1>(q, x.add(j * stride), stride) }[0],
-            (_, 4) => out.copy_from_slice(&unsafe { avx2::dots_f32_at::<4>(q, x.add(j * stride), stride) }),
-            _ => out[0] = unsafe { avx2::dots_f32_at::<1>(q, x.add(j * stride), stride) }[0],
-        };
-        if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
-            while j + 4 <= out.len() {
-                group(j, &mut out[j..j + 4]);
-                j += 4;
-            }
-            while j < out.len() {
-                group(j, &mut out[j..j + 1]);
-                j += 1;
-            }
-            return;
-        }
-    }
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = dots_f32::<1>(kernel, q, &rows[j * stride..j * stride + n])[0];
-    }
+/// Dot product of two f32 slices, with the same arithmetic as a weight row of f32 storage.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dots_f32::<1>(Kernel::detect(), a, b)[0]
 }
 
 /// `out[i] = Σ_j weights[j] · rows[j · stride + i]` over j in order, each term multiplied and then added (two
@@ -626,20 +591,13 @@ fn dots_strided_with(kernel: Kernel, q: &[f32], rows: &[f32], stride: usize, out
 /// them again for every row (attention was 10.4% of a sampled sweep's profile on an AVX2 machine, 8.6% after).
 /// Same bits on every kernel.
 pub fn weighted_rows(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-    weighted_rows_with(Kernel::detect(), weights, rows, stride, out)
-}
-
-fn weighted_rows_with(kernel: Kernel, weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     assert!(weights.is_empty() || (weights.len() - 1) * stride + out.len() <= rows.len());
-    // SAFETY: the kernels are only chosen when the CPU reports their features (`Kernel::available`); the bounds are
-    // checked above.
     #[cfg(target_arch = "x86_64")]
-    match kernel {
-        Kernel::Avx512 => return unsafe { avx512::weighted_rows(weights, rows, stride, out) },
-        Kernel::Avx2 => return unsafe { avx2::weighted_rows(weights, rows, stride, out) },
-        Kernel::Scalar => {}
+    if matches!(Kernel::detect(), Kernel::Avx2 | Kernel::Avx512) {
+        // SAFETY: both kernels are only chosen when the CPU reports avx2 (`Kernel::available`); the bounds are
+        // checked above.
+        return unsafe { avx2::weighted_rows(weights, rows, stride, out) };
     }
-    let _ = kernel;
     weighted_rows_scalar(weights, rows, stride, out)
 }
 
@@ -668,13 +626,21 @@ macro_rules! vectorized {
 // Output j depends only on the row and x[j], through the same operations for every N.
 
 fn dots_f32<const N: usize>(kernel: Kernel, w: &[f32], x: &[f32]) -> [f32; N] {
-    vectorized!(kernel, dots_f32(w, x));
+    #[cfg(target_arch = "x86_64")]
+    if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
+        // SAFETY: these kernels are only chosen when the CPU reports avx2, fma and f16c.
+        return unsafe { avx2::dots_f32::<N>(w, x) };
+    }
     let _ = kernel;
     std::array::from_fn(|j| scalar_lanes(w.len(), |i| w[i] * x[j * w.len() + i]))
 }
 
 fn dots_f16<const N: usize>(kernel: Kernel, w: &[f16], x: &[f32]) -> [f32; N] {
-    vectorized!(kernel, dots_f16(w, x));
+    #[cfg(target_arch = "x86_64")]
+    if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
+        // SAFETY: as above.
+        return unsafe { avx2::dots_f16::<N>(w, x) };
+    }
     let _ = kernel;
     std::array::from_fn(|j| scalar_lanes(w.len(), |i| w[i].to_f32() * x[j * w.len() + i]))
 }
@@ -833,7 +799,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn hsum(v: __m256) -> f32 {
+    unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -852,14 +818,14 @@ mod avx2 {
     /// Plain rows: two accumulators per activation row over 16-element steps, then a scalar tail.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_dense<const N: usize>(n: usize, x: *const f32, stride: usize, load: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> [f32; N] {
+    unsafe fn dots_dense<const N: usize>(n: usize, x: &[f32], load: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> [f32; N] {
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         let mut i = 0;
         while i + 16 <= n {
             let w0 = load(i);
             let w1 = load(i + 8);
             for (j, a) in acc.iter_mut().enumerate() {
-                let xp = x.add(j * stride + i);
+                let xp = x.as_ptr().add(j * n + i);
                 a[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), a[0]);
                 a[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), a[1]);
             }
@@ -868,19 +834,10 @@ mod avx2 {
         std::array::from_fn(|j| {
             let mut s = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
             for t in i..n {
-                s += at(t) * *x.add(j * stride + t);
+                s += at(t) * x[j * n + t];
             }
             s
         })
-    }
-
-    /// `dots_f32` of `w` with N rows of `x` `stride` apart.
-    ///
-    /// # Safety
-    /// On a CPU with avx2, fma and f16c; rows `x + j · stride` for j < N hold `w.len()` values each.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_f32_at<const N: usize>(w: &[f32], x: *const f32, stride: usize) -> [f32; N] {
-        dots_dense::<N>(w.len(), x, stride, |i| _mm256_loadu_ps(w.as_ptr().add(i)), |i| w[i])
     }
 
     /// `super::weighted_rows`, 64 columns at a time in 8 registers (then 8 at a time, then one by one).
@@ -919,15 +876,14 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_f32<const N: usize>(w: &[f32], x: &[f32]) -> [f32; N] {
-        dots_f32_at::<N>(w, x.as_ptr(), w.len())
+        dots_dense::<N>(w.len(), x, |i| _mm256_loadu_ps(w.as_ptr().add(i)), |i| w[i])
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_f16<const N: usize>(w: &[f16], x: &[f32]) -> [f32; N] {
         dots_dense::<N>(
             w.len(),
-            x.as_ptr(),
-            w.len(),
+            x,
             |i| _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i) as *const __m128i)),
             |i| to_f32(w[i]),
         )
@@ -1482,86 +1438,6 @@ mod avx512 {
         dots_chunks::<N>(w.len() * SUBS, &SubBlocks(w), x)
     }
 
-    /// AVX2's dense dots (`avx2::dots_dense`) with one 16-lane accumulator a row where AVX2 keeps two of 8: lanes
-    /// 0..8 are its first, 8..16 its second, so every multiply-add, the halves' sum and the horizontal sum are
-    /// AVX2's, bit for bit, in half the multiply-adds.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn dots_dense<const N: usize>(n: usize, x: *const f32, stride: usize, load: impl Fn(usize) -> __m512, at: impl Fn(usize) -> f32) -> [f32; N] {
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut i = 0;
-        while i + 16 <= n {
-            let w = load(i);
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(x.add(j * stride + i)), *a);
-            }
-            i += 16;
-        }
-        std::array::from_fn(|j| {
-            let (first, second) = (_mm512_castps512_ps256(acc[j]), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[j]))));
-            let mut s = super::avx2::hsum(_mm256_add_ps(first, second));
-            for t in i..n {
-                s += at(t) * *x.add(j * stride + t);
-            }
-            s
-        })
-    }
-
-    /// `avx2::dots_f32_at`, bit for bit.
-    ///
-    /// # Safety
-    /// On a CPU with avx512f besides avx2, fma and f16c; rows `x + j · stride` for j < N hold `w.len()` values each.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn dots_f32_at<const N: usize>(w: &[f32], x: *const f32, stride: usize) -> [f32; N] {
-        dots_dense::<N>(w.len(), x, stride, |i| _mm512_loadu_ps(w.as_ptr().add(i)), |i| w[i])
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn dots_f32<const N: usize>(w: &[f32], x: &[f32]) -> [f32; N] {
-        dots_f32_at::<N>(w, x.as_ptr(), w.len())
-    }
-
-    /// `avx2::dots_f16`, bit for bit (the conversions are exact).
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn dots_f16<const N: usize>(w: &[f16], x: &[f32]) -> [f32; N] {
-        dots_dense::<N>(w.len(), x.as_ptr(), w.len(), |i| _mm512_cvtph_ps(_mm256_loadu_si256(w.as_ptr().add(i) as *const __m256i)), |i| w[i].to_f32())
-    }
-
-    /// `super::weighted_rows`, 64 columns at a time in four 16-lane registers (then 16 at a time, then AVX2's): each
-    /// lane multiplies and adds as AVX2's and the plain loop's do, in half the instructions.
-    ///
-    /// # Safety
-    /// On a CPU with avx512f and avx2; `rows` reaches `(weights.len() − 1) · stride + out.len()`.
-    #[target_feature(enable = "avx512f,avx2")]
-    pub unsafe fn weighted_rows(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-        let mut c = 0;
-        while c + 64 <= out.len() {
-            weighted_columns::<4>(weights, rows, stride, &mut out[c..], c);
-            c += 64;
-        }
-        while c + 16 <= out.len() {
-            weighted_columns::<1>(weights, rows, stride, &mut out[c..], c);
-            c += 16;
-        }
-        super::avx2::weighted_rows(weights, rows.get(c..).unwrap_or_default(), stride, &mut out[c..]);
-    }
-
-    /// Columns `c..c + 16K` of `weighted_rows` into `out[..16K]`, their sums held in K registers over all rows.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn weighted_columns<const K: usize>(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32], c: usize) {
-        let mut sums = [_mm512_setzero_ps(); K];
-        for (j, &w) in weights.iter().enumerate() {
-            let (w, v) = (_mm512_set1_ps(w), rows.as_ptr().add(j * stride + c));
-            for (k, sum) in sums.iter_mut().enumerate() {
-                *sum = _mm512_add_ps(*sum, _mm512_mul_ps(w, _mm512_loadu_ps(v.add(16 * k))));
-            }
-        }
-        for (k, sum) in sums.iter().enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add(16 * k), *sum);
-        }
-    }
-
     /// `avx2::dots_k8_rows` compiled for AVX-512 (VL): the same instructions, twice the registers.
     ///
     /// # Safety
@@ -1634,50 +1510,16 @@ mod tests {
     #[test]
     fn weighted_rows_give_the_plain_loops_bits() {
         let mut rng = ChaCha8Rng::seed_from_u64(13);
-        for (n, cols, stride) in [(1, 64, 64), (37, 75, 192), (5, 3, 7), (0, 16, 16), (9, 100, 130)] {
+        for (n, cols, stride) in [(1, 64, 64), (37, 75, 192), (5, 3, 7), (0, 16, 16)] {
             let weights: Vec<f32> = (0..n).map(|_| rng.random_range(0.0..1.0)).collect();
             let rows: Vec<f32> = (0..n.max(1) * stride).map(|_| rng.random_range(-3.0..3.0)).collect();
             let mut plain = vec![f32::NAN; cols];
             weighted_rows_scalar(&weights, &rows, stride, &mut plain);
-            for kernel in Kernel::available() {
-                let mut got = vec![f32::NAN; cols];
-                weighted_rows_with(kernel, &weights, &rows, stride, &mut got);
-                assert_eq!(bits(&got), bits(&plain), "{kernel:?}: {n} rows of {cols}");
-            }
+            let mut got = vec![f32::NAN; cols];
+            weighted_rows(&weights, &rows, stride, &mut got);
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{n} rows of {cols}");
             let fused = (0..cols).map(|i| (0..n).fold(0f32, |o, j| weights[j].mul_add(rows[j * stride + i], o)));
             assert!(n < 2 || fused.zip(&plain).any(|(f, p)| f != *p), "the case cannot tell two roundings from one");
-        }
-    }
-
-    fn bits(values: &[f32]) -> Vec<u32> {
-        values.iter().map(|v| v.to_bits()).collect()
-    }
-
-    /// Dense rows (f32 and f16 weights, attention's keys) take AVX2's arithmetic on AVX-512 too: the same bits for
-    /// widths on and off the 16-value steps, one row or several, and a query over keys `stride` apart equals the dots
-    /// of it with each key as a weight row, four at once or one by one.
-    #[test]
-    fn dense_dots_give_avx2s_bits_on_avx512_and_strided_keys_equal_them_one_by_one() {
-        let mut rng = ChaCha8Rng::seed_from_u64(17);
-        let kernels = Kernel::available();
-        for n in [64, 40, 7, 576] {
-            let w: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let w16: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
-            let x: Vec<f32> = (0..8 * n).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let reference = |kernel| (dots_f32::<8>(kernel, &w, &x), dots_f16::<8>(kernel, &w16, &x), dots_f32::<1>(kernel, &w, &x[n..]));
-            let first = reference(*kernels.last().unwrap());
-            for &kernel in kernels.iter().filter(|k| !matches!(k, Kernel::Scalar)) {
-                let got = reference(kernel);
-                assert_eq!((bits(&got.0), bits(&got.1), bits(&got.2)), (bits(&first.0), bits(&first.1), bits(&first.2)), "{kernel:?} at width {n}");
-            }
-            let stride = n + 3;
-            let keys: Vec<f32> = (0..11 * stride).map(|_| rng.random_range(-2.0..2.0)).collect();
-            for &kernel in &kernels {
-                let mut scores = vec![f32::NAN; 11];
-                dots_strided_with(kernel, &w, &keys, stride, &mut scores);
-                let one_by_one: Vec<f32> = (0..11).map(|j| dots_f32::<1>(kernel, &w, &keys[j * stride..j * stride + n])[0]).collect();
-                assert_eq!(bits(&scores), bits(&one_by_one), "{kernel:?} at width {n}");
-            }
         }
     }
 
