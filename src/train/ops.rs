@@ -128,7 +128,7 @@ pub fn distributions(logits: &Tensor) -> Result<Distributions> {
     let logits = logits.contiguous()?;
     let (storage, layout) = logits.storage_and_layout();
     let candle_core::Storage::Cpu(storage) = &*storage else { anyhow::bail!("teacher distributions: logits must be on the CPU") };
-    let (z, v) = f32_rows(storage, layout, "the teacher's logits")?;
+    let (z, v) = f32_rows(storage, layout, "teacher distributions: the logits")?;
     anyhow::ensure!(v > 0, "teacher distributions: logits {:?} have no vocabulary", layout.dims());
     let rows = z.len() / v;
     let mut p = vec![0f32; z.len()];
@@ -179,10 +179,10 @@ pub fn soft_cross_entropy(logits: &Tensor, p: &Tensor) -> Result<Tensor> {
 
 struct SoftCrossEntropy;
 
-/// The values of a contiguous f32 operand.
+/// The values of a contiguous f32 operand (`what`: the op and which of its operands, for the error).
 fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
     let (CpuStorage::F32(x), Some((o, e))) = (s, l.contiguous_offsets()) else {
-        candle_core::bail!("soft cross-entropy: {what} must be contiguous f32")
+        candle_core::bail!("{what} must be contiguous f32")
     };
     Ok(&x[o..e])
 }
@@ -190,7 +190,7 @@ fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Res
 /// The rows of a contiguous f32 `[rows, V]` operand, and V.
 fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<(&'a [f32], usize)> {
     let &[_, v] = l.dims() else {
-        candle_core::bail!("soft cross-entropy: {what} must be [rows, vocabulary], not {:?}", l.dims())
+        candle_core::bail!("{what} must be [rows, vocabulary], not {:?}", l.dims())
     };
     Ok((f32_values(s, l, what)?, v))
 }
@@ -207,7 +207,7 @@ impl CustomOp2 for SoftCrossEntropy {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let ((z, v), (p, pv)) = (f32_rows(s1, l1, "the logits")?, f32_rows(s2, l2, "the teacher distribution")?);
+        let ((z, v), (p, pv)) = (f32_rows(s1, l1, "soft cross-entropy: the logits")?, f32_rows(s2, l2, "soft cross-entropy: the teacher distribution")?);
         if (v, z.len()) != (pv, p.len()) || v == 0 {
             candle_core::bail!("soft cross-entropy: logits {:?} against a teacher distribution {:?}", l1.dims(), l2.dims());
         }
@@ -237,8 +237,8 @@ impl CustomOp3 for SoftCrossEntropyGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let ((z, v), (p, _)) = (f32_rows(s1, l1, "the logits")?, f32_rows(s2, l2, "the teacher distribution")?);
-        let g = f32_values(s3, l3, "the rows' gradients")?;
+        let ((z, v), (p, _)) = (f32_rows(s1, l1, "soft cross-entropy: the logits")?, f32_rows(s2, l2, "soft cross-entropy: the teacher distribution")?);
+        let g = f32_values(s3, l3, "soft cross-entropy: the rows' gradients")?;
         let mut out = vec![0f32; z.len()];
         out.par_chunks_mut(v).zip(z.par_chunks(v)).zip(p.par_chunks(v)).zip(g.par_iter()).for_each(|(((out, z), p), &g)| {
             let lse = log_sum_exp(z) as f32;
@@ -290,8 +290,7 @@ mod tests {
         // probabilities that underflow.
         let dev = Device::Cpu;
         for v in [7, 64, 1000] {
-            let z: Vec<f32> = (0..4 * v).map(|i| ((i * 37 % 101) as f32 - 50.0) * [0.01, 0.3, 2.0, 40.0][i / v]).collect();
-            let mut z = z;
+            let mut z: Vec<f32> = (0..4 * v).map(|i| ((i * 37 % 101) as f32 - 50.0) * [0.01, 0.3, 2.0, 40.0][i / v]).collect();
             z[v + 3] = z[v..2 * v].iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let logits = Tensor::from_vec(z, (4, v), &dev).unwrap();
             let log_p = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();

@@ -247,13 +247,12 @@ pub struct Trained {
     pub settings: TrainSettings,
 }
 
-/// Train (or resume) a head; `None` for `--steps 0`, which writes the untrained head and logs no steps.
 /// A training step allocates several f32 tensors of [positions, vocabulary] (≈ 100 MB at SmolLM2's 49,152 ids, well
 /// above glibc's 32 MiB ceiling for serving from the heap), each of which glibc maps afresh and unmaps when freed,
 /// so every step faulted in and zeroed new pages: a fifth of a whole-vocabulary step's samples. Served from the heap
 /// and kept there when freed, the next step's tensors reuse the same pages (the same bits;
-/// results/train/training-speed-2026-12-03.md, its last section). Set here, not for every command: sweeps allocate nothing that size.
-/// No crate exposes glibc's allocator settings but libc's binding.
+/// results/train/training-speed-2026-12-03.md, its last section). Set here, not for every command: sweeps allocate
+/// nothing that size. No crate exposes glibc's allocator settings but libc's binding.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes the allocator's thresholds; memory already handed out is unaffected.
@@ -263,6 +262,7 @@ fn keep_freed_memory() {
     }
 }
 
+/// Train (or resume) a head; `None` for `--steps 0`, which writes the untrained head and logs no steps.
 pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     let s = &o.settings;
     if s.batch == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
