@@ -162,12 +162,12 @@ pub fn dot_row<B: IntBlock>(row: &[B], a: &Q8View, j: usize) -> f32 {
     acc
 }
 
-/// Weight rows `w` (whole rows of `nb` blocks) times N activation rows of `a`: row r's products go to
-/// `out[r · stride..][..N]`.
+/// Weight rows `w` (whole rows of `nb` blocks) times N activation rows of `a`: row r's product with activation row
+/// j goes to `out[j · stride + r]`.
 pub fn dots_rows_scalar<const N: usize, B: IntBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
     for (r, row) in w.chunks_exact(nb).enumerate() {
         for j in 0..N {
-            out[r * stride + j] = dot_row(row, a, j);
+            out[j * stride + r] = dot_row(row, a, j);
         }
     }
 }
@@ -217,9 +217,10 @@ pub mod avx512 {
     ///
     /// # Safety
     /// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c; `w` is whole rows of `nb` blocks,
-    /// `a` holds N rows of `nb` blocks and `out` reaches row r's `r · stride + N`.
+    /// `a` holds N rows of `nb` blocks and `out` reaches `(N − 1) · stride + rows`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+        const { assert!(N <= 16, "each_row below writes out 16 activation rows") };
         let rows = w.len() / nb;
         let size = std::mem::size_of::<B>();
         let row_bytes = (nb * size) as i32;
@@ -253,23 +254,28 @@ pub mod avx512 {
                         *v = _mm512_xor_si512(_mm512_mask_i32gather_epi32::<1>(zero, mask, index, block.add(B::VALUES + 4 * t) as *const i32), flip);
                     }
                 }
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    let qa = a.qs.as_ptr().add((j * nb + b) * QK) as *const i32;
-                    let mut s = zero;
-                    for (t, v) in values.iter().enumerate() {
-                        s = _mm512_dpbusd_epi32(s, *v, _mm512_set1_epi32(std::ptr::read_unaligned(qa.add(t))));
-                    }
-                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(*a.d.get_unchecked(j * nb + b)));
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *acc);
-                    *acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(*a.sums.get_unchecked(j * nb + b)), *acc);
+                // Activation row j's sums and multiply-adds, written out for each j < N: as a loop over j, LLVM
+                // unrolled it only for a few rows, and from about 12 on kept `acc` on the stack, a load and a
+                // store around every multiply-add; with constant indices the sums stay in registers.
+                macro_rules! each_row {
+                    ($($j:literal)*) => {$(
+                        if $j < N {
+                            let qa = a.qs.as_ptr().add(($j * nb + b) * QK) as *const i32;
+                            let mut s = zero;
+                            for (t, v) in values.iter().enumerate() {
+                                s = _mm512_dpbusd_epi32(s, *v, _mm512_set1_epi32(std::ptr::read_unaligned(qa.add(t))));
+                            }
+                            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*a.d.get_unchecked($j * nb + b)));
+                            acc[$j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[$j]);
+                            acc[$j] = _mm512_fmadd_ps(offset, _mm512_set1_ps(*a.sums.get_unchecked($j * nb + b)), acc[$j]);
+                        }
+                    )*};
                 }
+                each_row!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
             }
+            // An activation row's products of the 16 weight rows are neighbours in `out`: one masked store.
             for (j, acc) in acc.iter().enumerate() {
-                let mut lanes_out = [0f32; 16];
-                _mm512_storeu_ps(lanes_out.as_mut_ptr(), *acc);
-                for (r, v) in lanes_out.iter().enumerate().take(lanes) {
-                    *out.get_unchecked_mut((first + r) * stride + j) = *v;
-                }
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(j * stride + first), mask, *acc);
             }
         }
     }
@@ -293,7 +299,7 @@ pub mod avx2 {
     ///
     /// # Safety
     /// On a CPU with avx2, fma and f16c; `w` is whole rows of `nb` blocks, `a` holds N rows of `nb` blocks and `out`
-    /// reaches row r's `r · stride + N`.
+    /// reaches `(N − 1) · stride + rows`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
         let rows = w.len() / nb;
@@ -349,10 +355,14 @@ pub mod avx2 {
                 }
             }
             for (j, acc) in acc.iter().enumerate() {
-                let mut lanes_out = [0f32; 8];
-                _mm256_storeu_ps(lanes_out.as_mut_ptr(), *acc);
-                for (r, v) in lanes_out.iter().enumerate().take(lanes) {
-                    *out.get_unchecked_mut((first + r) * stride + j) = *v;
+                let at = out.as_mut_ptr().add(j * stride + first);
+                match lanes {
+                    8 => _mm256_storeu_ps(at, *acc),
+                    _ => {
+                        let mut lanes_out = [0f32; 8];
+                        _mm256_storeu_ps(lanes_out.as_mut_ptr(), *acc);
+                        std::ptr::copy_nonoverlapping(lanes_out.as_ptr(), at, lanes);
+                    }
                 }
             }
         }

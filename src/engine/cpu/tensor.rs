@@ -218,10 +218,11 @@ impl Matrix {
             quantize_q8_32(kernel, x, &mut scratch.q8_32);
         }
         let (q8, q8_32) = (&scratch.q8, &scratch.q8_32);
-        // The matrices' rows, stacked, are split into chunks, one task each. A task computes its rows row-major
-        // ([rows, n], its own slice of `results`) and then writes them, transposed, into the outputs, one
-        // activation row's run at a time (so the writes go in order); done after the parallel region, the transposes
-        // kept one core busy while the other waited. A chunk may cover the end of one matrix and the start of the next.
+        // The matrices' rows, stacked, are split into chunks, one task each. A task computes its rows laid out as
+        // the outputs are ([n, rows], its own slice of `results`), and copies each activation row's run into them;
+        // done after the parallel region, the copies kept one core busy while the other waited. Laid out [rows, n],
+        // the kernels' stores and the copies' loads were a row apart (5% of a batched sweep in that transpose alone).
+        // A chunk may cover the end of one matrix and the start of the next.
         let rows: usize = products.iter().map(|(m, _)| m.rows).sum();
         let rows_per_task = (rows / (4 * pool().current_num_threads())).clamp(16, 1024);
         let t = &mut scratch.results;
@@ -235,19 +236,17 @@ impl Matrix {
         });
         let task = |(task, chunk): (usize, &mut [f32])| {
             let first = task * rows_per_task;
-            let end = first + chunk.len() / n;
+            let task_rows = chunk.len() / n;
             for (start, m, out) in matrices() {
-                let (from, to) = (first.max(start), end.min(start + m.rows));
+                let (from, to) = (first.max(start), (first + task_rows).min(start + m.rows));
                 if from < to {
-                    let results = &mut chunk[(from - first) * n..(to - first) * n];
-                    m.rows_into(kernel, from - start..to - start, x, q8, q8_32, results);
+                    m.rows_into(kernel, from - start..to - start, x, q8, q8_32, &mut chunk[from - first..], task_rows);
                     for b in 0..n {
-                        for (r, row) in (from - start..to - start).zip(results.chunks_exact(n)) {
-                            // SAFETY: `out` is this product's output, [n, m.rows], borrowed mutably by `products` for
-                            // the whole call and touched by nothing else until the tasks end; element (b, r) is
-                            // written only by the task whose rows hold r.
-                            unsafe { *out.0.add(b * m.rows + r) = row[b] };
-                        }
+                        let run = &chunk[b * task_rows + from - first..][..to - from];
+                        // SAFETY: `out` is this product's output, [n, m.rows], borrowed mutably by `products` for the
+                        // whole call and touched by nothing else until the tasks end; elements (b, from − start ..
+                        // to − start) are written only by the task whose rows they are.
+                        unsafe { std::ptr::copy_nonoverlapping(run.as_ptr(), out.0.add(b * m.rows + from - start), run.len()) };
                     }
                 }
             }
@@ -261,11 +260,13 @@ impl Matrix {
         outs.clear();
     }
 
-    /// Weight rows `rows` times every activation row, row-major into `out` ([rows, n]). A tile of weight rows meets
+    /// Weight rows `rows` times every activation row: row r's product with activation row b goes to
+    /// `out[b · stride + r − rows.start]`. A tile of weight rows meets
     /// one group of activation rows at a time: the group stays in L1 and the tile in L2 however many rows the batch
     /// has (all rows against every weight row overflow L1 past about 20 rows of 576 and ran a batch of verification
     /// blocks 1.5× slower than the blocks one by one).
-    fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q8_32: &Q8Rows, out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q8_32: &Q8Rows, out: &mut [f32], stride: usize) {
         let n = x.len() / self.cols;
         let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
         let integer_blocks = !q8_32.is_empty() && self.is_block_quant();
@@ -278,15 +279,15 @@ impl Matrix {
                 let xs = &x[b * self.cols..(b + g) * self.cols];
                 let qs = if q8.is_empty() || !self.is_k_quant() { &q8[..0] } else { &q8[b * nk..(b + g) * nk] };
                 let q32 = integer_blocks.then(|| q8_32.rows(b..b + g, nb));
-                self.tile_dots(kernel, tile..end, xs, qs, q32, &mut out[(tile - rows.start) * n + b..], n, g);
+                self.tile_dots(kernel, tile..end, xs, qs, q32, &mut out[b * stride + tile - rows.start..], stride, g);
                 b += g;
             }
         }
     }
 
     /// Dots of the weight rows `rows` with each of the `g` (≤ GROUP) activation rows in `x` (in `q8` instead, as
-    /// Q8_K blocks, when K-quant rows take integer products; in `q32` when blocks of 32 do): row r's go to
-    /// `out[(r − rows.start) · stride..][..g]`.
+    /// Q8_K blocks, when K-quant rows take integer products; in `q32` when blocks of 32 do): row r's product with
+    /// activation row j goes to `out[j · stride + r − rows.start]`.
     #[allow(clippy::too_many_arguments)]
     fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q32: Option<Q8View>, out: &mut [f32], stride: usize, g: usize) {
         let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
@@ -323,9 +324,12 @@ impl Matrix {
             (Storage::Q5K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
             (Storage::Q6K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
             _ => {
+                let mut dots = [0f32; GROUP];
                 for r in rows.clone() {
-                    let at = (r - rows.start) * stride;
-                    self.row_dots(kernel, r, x, &mut out[at..at + g]);
+                    self.row_dots(kernel, r, x, &mut dots[..g]);
+                    for (j, v) in dots[..g].iter().enumerate() {
+                        out[j * stride + r - rows.start] = *v;
+                    }
                 }
             }
         }
@@ -721,13 +725,13 @@ fn quantize_q8_32(kernel: Kernel, x: &[f32], out: &mut Q8Rows) {
     out.quantize(x, q8::quantize_run)
 }
 
-/// Rows of blocks of 32 (`w`: whole rows of `nb` blocks) times N activation rows in blocks of 32 (`a`): row r's N
-/// products go to `out[r · stride..][..N]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it, else AVX2's byte and
+/// Rows of blocks of 32 (`w`: whole rows of `nb` blocks) times N activation rows in blocks of 32 (`a`): row r's
+/// product with activation row j goes to `out[j · stride + r]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it, else AVX2's byte and
 /// word multiply-adds, else the scalar reference: the same bits on every kernel (`q8::dot_row`).
 fn dots_q8_rows<const N: usize, B: Q8Block>(kernel: Kernel, w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
     if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
-        assert!(w.len() / nb <= 1 + (out.len().saturating_sub(N)) / stride && a.qs.len() >= N * nb * QK && a.d.len() >= N * nb && a.sums.len() >= N * nb);
+        assert!((N - 1) * stride + w.len() / nb <= out.len() && a.qs.len() >= N * nb * QK && a.d.len() >= N * nb && a.sums.len() >= N * nb);
         // SAFETY: Kernel::Avx512 means avx512f/bw/vl, avx2, fma and f16c, and has_vnni() checked avx512vnni;
         // Kernel::Avx2 means avx2, fma and f16c. The bounds are checked above.
         return unsafe {
@@ -759,11 +763,12 @@ trait Q8Block: q8::IntBlock {}
 impl<B: q8::IntBlock> Q8Block for B {}
 
 /// K-quant rows (`w`: whole rows of `nk` super-blocks) times N Q8_K activation rows (`a`, `nk` blocks each): row r's
-/// N products go to `out[r · stride..][..N]`. Per super-block the integer products of `IntegerDot`, in order.
+/// product with activation row j goes to `out[j · stride + r]`. Per super-block the integer products of
+/// `IntegerDot`, in order.
 fn dots_k8_rows<const N: usize, B: KBlock>(kernel: Kernel, w: &[B], nk: usize, a: &[BlockQ8K], out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
     if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
-        assert!(w.len() / nk <= 1 + (out.len().saturating_sub(N)) / stride && a.len() >= N * nk);
+        assert!((N - 1) * stride + w.len() / nk <= out.len() && a.len() >= N * nk);
         // SAFETY: the kernels are only chosen when the CPU has their features (`Kernel::available`); the bounds are
         // checked above.
         return unsafe {
@@ -776,7 +781,7 @@ fn dots_k8_rows<const N: usize, B: KBlock>(kernel: Kernel, w: &[B], nk: usize, a
     let _ = kernel;
     for (r, row) in w.chunks_exact(nk).enumerate() {
         for j in 0..N {
-            out[r * stride + j] = row.iter().enumerate().map(|(i, b)| b.dot_q8k(&a[j * nk + i])).sum();
+            out[j * stride + r] = row.iter().enumerate().map(|(i, b)| b.dot_q8k(&a[j * nk + i])).sum();
         }
     }
 }
@@ -1036,7 +1041,7 @@ mod avx2 {
     /// not take its function's target features, so it would not be inlined.
     ///
     /// # Safety
-    /// On a CPU with avx2, fma and f16c; `a` holds N rows of `nk` blocks and `out` reaches row r's `r · stride + N`.
+    /// On a CPU with avx2, fma and f16c; `a` holds N rows of `nk` blocks and `out` reaches `(N − 1) · stride + rows`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_k8_rows<const N: usize>(w: &[impl VectorDot], nk: usize, a: &[BlockQ8K], out: &mut [f32], stride: usize) {
@@ -1050,7 +1055,7 @@ mod avx2 {
                 b.accumulate::<N>(&rows, &mut acc);
             }
             for (j, acc) in acc.iter().enumerate() {
-                *out.get_unchecked_mut(r * stride + j) = hsum(*acc);
+                *out.get_unchecked_mut(j * stride + r) = hsum(*acc);
             }
         }
     }
@@ -1524,24 +1529,26 @@ mod tests {
     }
 
     /// Integer products of blocks of 32 follow one arithmetic (`q8::dot_row`): the vector kernels' rows a lane (16 with
-    /// AVX-512 VNNI, 8 with AVX2), masked lanes for the last rows included, give the scalar reference's bits.
+    /// AVX-512 VNNI, 8 with AVX2), masked lanes for the last rows included, give the scalar reference's bits, for a
+    /// few activation rows and for a full group of 16 and one more (the AVX-512 kernel writes each of the 16 out).
     #[test]
     fn integer_products_of_blocks_of_32_give_the_same_bits_on_every_kernel() {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
-        let (rows, cols, n) = (37, 160, 3);
-        let q41 = random_q4_1(rows, cols, &mut rng);
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let mut scratch = MatmulScratch::default();
-        for m in all_storages(&q41, &mut rng).iter().filter(|m| m.is_block_quant()) {
-            let products: Vec<Vec<u32>> = Kernel::available()
-                .into_iter()
-                .map(|kernel| {
-                    let mut out = vec![0.0; n * rows];
-                    m.matmul_with(kernel, Activations::Q8, &x, &mut out, &mut scratch);
-                    out.iter().map(|v| v.to_bits()).collect()
-                })
-                .collect();
-            assert!(products.windows(2).all(|p| p[0] == p[1]), "{}: kernels differ", m.dtype_name());
+        for (rows, cols, n) in [(37, 160, 3), (37, 160, 17)] {
+            let q41 = random_q4_1(rows, cols, &mut rng);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut scratch = MatmulScratch::default();
+            for m in all_storages(&q41, &mut rng).iter().filter(|m| m.is_block_quant()) {
+                let products: Vec<Vec<u32>> = Kernel::available()
+                    .into_iter()
+                    .map(|kernel| {
+                        let mut out = vec![0.0; n * rows];
+                        m.matmul_with(kernel, Activations::Q8, &x, &mut out, &mut scratch);
+                        out.iter().map(|v| v.to_bits()).collect()
+                    })
+                    .collect();
+                assert!(products.windows(2).all(|p| p[0] == p[1]), "{} × {n}: kernels differ", m.dtype_name());
+            }
         }
     }
 
