@@ -261,10 +261,10 @@ impl Matrix {
     }
 
     /// Weight rows `rows` times every activation row: row r's product with activation row b goes to
-    /// `out[b · stride + r − rows.start]`. A tile of weight rows meets
-    /// one group of activation rows at a time: the group stays in L1 and the tile in L2 however many rows the batch
-    /// has (all rows against every weight row overflow L1 past about 20 rows of 576 and ran a batch of verification
-    /// blocks 1.5× slower than the blocks one by one).
+    /// `out[b · stride + r − rows.start]`. A tile of weight rows meets one group of activation rows at a time: the
+    /// group stays in L1 and the tile in L2 however many rows the batch has (all rows against every weight row
+    /// overflow L1 past about 20 rows of 576 and ran a batch of verification blocks 1.5× slower than the blocks one
+    /// by one).
     #[allow(clippy::too_many_arguments)]
     fn rows_into(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q8_32: &Q8Rows, out: &mut [f32], stride: usize) {
         let n = x.len() / self.cols;
@@ -726,8 +726,9 @@ fn quantize_q8_32(kernel: Kernel, x: &[f32], out: &mut Q8Rows) {
 }
 
 /// Rows of blocks of 32 (`w`: whole rows of `nb` blocks) times N activation rows in blocks of 32 (`a`): row r's
-/// product with activation row j goes to `out[j · stride + r]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it, else AVX2's byte and
-/// word multiply-adds, else the scalar reference: the same bits on every kernel (`q8::dot_row`).
+/// product with activation row j goes to `out[j · stride + r]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it,
+/// else AVX2's byte and word multiply-adds, else the scalar reference: the same bits on every kernel
+/// (`q8::dot_row`).
 fn dots_q8_rows<const N: usize, B: Q8Block>(kernel: Kernel, w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
     if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
