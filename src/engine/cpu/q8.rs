@@ -255,8 +255,8 @@ pub mod avx512 {
                     }
                 }
                 // Activation row j's sums and multiply-adds, written out for each j < N: as a loop over j, LLVM
-                // unrolled it only for a few rows, and from about 12 on kept `acc` on the stack, a load and a
-                // store around every multiply-add; with constant indices the sums stay in registers.
+                // unrolled it up to 8 rows, and from 9 on kept the loop with `acc` on the stack, a load and a store
+                // around every multiply-add; with constant indices the sums stay in registers.
                 macro_rules! each_row {
                     ($($j:literal)*) => {$(
                         if $j < N {
