@@ -1,5 +1,6 @@
 //! Turning logits into a distribution (temperature, top-p) and drawing from it with a caller's random stream.
 
+use crate::engine::cpu::exp::exp_in_place;
 use anyhow::{bail, Result};
 use rand::RngExt;
 
@@ -42,11 +43,9 @@ impl Sampling {
             return;
         }
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f64;
-        for (p, l) in probs.iter_mut().zip(logits) {
-            *p = ((l - max) / self.temperature).exp();
-            sum += *p as f64;
-        }
+        probs.iter_mut().zip(logits).for_each(|(p, l)| *p = (l - max) / self.temperature);
+        exp_in_place(probs);
+        let sum = probs.iter().fold(0f64, |sum, p| sum + *p as f64);
         let inv = (1.0 / sum) as f32;
         probs.iter_mut().for_each(|p| *p *= inv);
         if self.top_p < 1.0 {

@@ -2,6 +2,7 @@
 //! the inference forward uses, have no backward pass. Training runs in f32 on the CPU.
 
 use crate::engine::candle::llama::{causal_mask, RopeTables};
+use crate::engine::cpu::exp::exp_in_place;
 use anyhow::Result;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, D};
@@ -138,13 +139,13 @@ pub fn distributions(logits: &Tensor) -> Result<Distributions> {
         || vec![0f32; v],
         |scratch, ((p, z), (entropy, argmax))| {
             let max = z.iter().copied().fold(z[0], |m, x| if m < x { x } else { m });
-            scratch.iter_mut().zip(z).for_each(|(e, &z)| *e = (z - max).exp());
+            scratch.iter_mut().zip(z).for_each(|(e, &z)| *e = z - max);
+            exp_in_place(scratch);
             let log_sum = row_sum(scratch).ln();
-            for ((p, pl), &z) in p.iter_mut().zip(scratch.iter_mut()).zip(z) {
-                let log_p = (z - max) - log_sum;
-                *p = log_p.exp();
-                *pl = *p * log_p;
-            }
+            let log_p = |z: f32| (z - max) - log_sum;
+            p.iter_mut().zip(z).for_each(|(p, &z)| *p = log_p(z));
+            exp_in_place(p);
+            scratch.iter_mut().zip(p.iter()).zip(z).for_each(|((pl, p), &z)| *pl = p * log_p(z));
             *entropy = -row_sum(scratch);
             let mut best = 0;
             for (i, &x) in p.iter().enumerate() {
@@ -198,7 +199,15 @@ fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Resul
 /// A row's log-sum-exp: exponentials in f32 (as candle's ops took them), their sum in f64.
 fn log_sum_exp(z: &[f32]) -> f64 {
     let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    max as f64 + z.iter().map(|&x| (x - max).exp() as f64).sum::<f64>().ln()
+    let mut exps = [0f32; 256];
+    let mut sum = 0f64;
+    for z in z.chunks(exps.len()) {
+        let exps = &mut exps[..z.len()];
+        exps.iter_mut().zip(z).for_each(|(e, &x)| *e = x - max);
+        exp_in_place(exps);
+        sum = exps.iter().fold(sum, |sum, &e| sum + e as f64);
+    }
+    max as f64 + sum.ln()
 }
 
 impl CustomOp2 for SoftCrossEntropy {
@@ -243,9 +252,9 @@ impl CustomOp3 for SoftCrossEntropyGrad {
         out.par_chunks_mut(v).zip(z.par_chunks(v)).zip(p.par_chunks(v)).zip(g.par_iter()).for_each(|(((out, z), p), &g)| {
             let lse = log_sum_exp(z) as f32;
             let mass = p.iter().map(|&p| p as f64).sum::<f64>() as f32;
-            for ((o, &z), &p) in out.iter_mut().zip(z).zip(p) {
-                *o = g * ((z - lse).exp() * mass - p);
-            }
+            out.iter_mut().zip(z).for_each(|(o, &z)| *o = z - lse);
+            exp_in_place(out);
+            out.iter_mut().zip(p).for_each(|(o, &p)| *o = g * (*o * mass - p));
         });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }

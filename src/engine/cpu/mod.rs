@@ -3,6 +3,7 @@
 //! gives bit for bit what single steps give, and a sequence in a batch what it gets alone.
 
 pub mod draft;
+pub mod exp;
 pub mod kquants;
 pub mod model;
 pub mod q8;

@@ -6,6 +6,7 @@
 //! computed with the same arithmetic whether it arrives alone or in a block, so speculative verification of k+1
 //! tokens reproduces k+1 single-token steps bit for bit (tested).
 
+use crate::engine::cpu::exp::exp_in_place;
 use crate::engine::cpu::tensor::{dot, pool, weighted_rows, Matrix, MatmulScratch};
 use crate::loading::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
@@ -172,11 +173,9 @@ impl Geometry {
             *s = dot(q, &kv.keys[at(j)]) * scale;
             max = max.max(*s);
         }
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
+        scores.iter_mut().for_each(|s| *s -= max);
+        exp_in_place(scores);
+        let sum = scores.iter().fold(0f32, |sum, s| sum + s);
         scores.iter_mut().for_each(|s| *s /= sum);
         weighted_rows(scores, &kv.values[kv_head * d..], kvd, out);
     }
@@ -652,15 +651,20 @@ pub fn load_layer(src: &dyn WeightSource, c: &Config, prefix: &str, input_norm: 
     })
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// `gate ← silu(gate) · up`, on the pool when there is enough of it: the exponentials of a batch of verification
-/// blocks (40 rows × 1,536 a layer for SmolLM2) ran on one core while the other waited for the next product.
+/// `gate ← silu(gate) · up` (silu(x) = x / (1 + e^−x)), on the pool when there is enough of it: the exponentials of
+/// a batch of verification blocks (40 rows × 1,536 a layer for SmolLM2) ran on one core while the other waited for
+/// the next product.
 fn gate_in_place(gate: &mut [f32], up: &[f32]) {
     const CHUNK: usize = 2048;
-    let apply = |(gate, up): (&mut [f32], &[f32])| gate.iter_mut().zip(up).for_each(|(a, u)| *a = silu(*a) * u);
+    let apply = |(gate, up): (&mut [f32], &[f32])| {
+        let mut exps = [0f32; 256];
+        for (gate, up) in gate.chunks_mut(exps.len()).zip(up.chunks(exps.len())) {
+            let exps = &mut exps[..gate.len()];
+            exps.iter_mut().zip(gate.iter()).for_each(|(e, x)| *e = -x);
+            exp_in_place(exps);
+            gate.iter_mut().zip(up).zip(exps.iter()).for_each(|((a, u), e)| *a = *a / (1.0 + e) * u);
+        }
+    };
     match gate.len() < 2 * CHUNK {
         true => apply((gate, up)),
         false => pool().install(|| gate.par_chunks_mut(CHUNK).zip(up.par_chunks(CHUNK)).for_each(apply)),

@@ -543,7 +543,7 @@ impl Activations {
 
 /// Which dot-product implementation this CPU runs. Chosen once per process, so results never mix the two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
+pub(super) enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -554,7 +554,7 @@ enum Kernel {
 }
 
 impl Kernel {
-    fn detect() -> Kernel {
+    pub(super) fn detect() -> Kernel {
         static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
             let off = |v: &str| std::env::var_os(v).is_some();
