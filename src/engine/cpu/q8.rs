@@ -210,10 +210,13 @@ pub mod avx512 {
     use std::arch::x86_64::*;
 
     /// Weight rows times N activation rows, as `dots_rows_scalar` and to its bits: 16 weight rows at a time, one
-    /// per lane. For each block, four bytes of each row are gathered into one vector (the same four values of 16
+    /// per lane. For each block, four bytes of each row are brought into one vector (the same four values of 16
     /// rows), and `vpdpbusd` multiplies them by the same four activation values broadcast: 8 instructions give a
     /// block's exact sums for 16 rows (with per-row products, one instruction covered 64 products and every one
     /// needed its own conversion and scaling). The last rows fill fewer lanes (masked), with the same arithmetic.
+    /// The bytes reach their lanes through 16-byte loads and a transpose (`words`), as in the AVX2 kernel, not
+    /// through `vpgatherdd`: on a Zen 4 the five gathers a block made the head's product at one activation row
+    /// 4× slower (`results/bench/cpu-main-job-batch-2026-12-05.md`).
     ///
     /// # Safety
     /// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c; `w` is whole rows of `nb` blocks,
@@ -223,18 +226,18 @@ pub mod avx512 {
         const { assert!(N <= 16, "each_row below writes out 16 activation rows") };
         let rows = w.len() / nb;
         let size = std::mem::size_of::<B>();
-        let row_bytes = (nb * size) as i32;
-        let index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_bytes));
         let (low4, flip) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(-128));
         let zero = _mm512_setzero_si512();
         for first in (0..rows).step_by(16) {
             let lanes = (rows - first).min(16);
             let mask: __mmask16 = ((1u32 << lanes) - 1) as __mmask16;
-            let group = w.as_ptr().add(first * nb) as *const u8;
+            // Lanes past the last row read the last row again; they are not stored.
+            let row = |r: usize| w.as_ptr().add((first + r.min(lanes - 1)) * nb) as *const u8;
+            let group: [*const u8; 16] = std::array::from_fn(row);
             let mut acc = [_mm512_setzero_ps(); N];
             for b in 0..nb {
-                let block = group.add(b * size);
-                let header = _mm512_mask_i32gather_epi32::<1>(zero, mask, index, block.add(B::HEADER) as *const i32);
+                let at = b * size;
+                let header = words(&group, at + B::HEADER)[0];
                 let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header));
                 let offset = if B::OWN_OFFSET {
                     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(header)))
@@ -244,14 +247,14 @@ pub mod avx512 {
                 // values[t]: elements 4t .. 4t + 4 of each row's block, as unsigned bytes.
                 let mut values = [zero; 8];
                 if B::NIBBLES {
-                    for u in 0..4 {
-                        let v = _mm512_mask_i32gather_epi32::<1>(zero, mask, index, block.add(B::VALUES + 4 * u) as *const i32);
+                    for (u, v) in words(&group, at + B::VALUES).into_iter().enumerate() {
                         values[u] = _mm512_and_si512(v, low4);
                         values[u + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
                     }
                 } else {
-                    for (t, v) in values.iter_mut().enumerate() {
-                        *v = _mm512_xor_si512(_mm512_mask_i32gather_epi32::<1>(zero, mask, index, block.add(B::VALUES + 4 * t) as *const i32), flip);
+                    let (low, high) = (words(&group, at + B::VALUES), words(&group, at + B::VALUES + 16));
+                    for (v, word) in values.iter_mut().zip(low.into_iter().chain(high)) {
+                        *v = _mm512_xor_si512(word, flip);
                     }
                 }
                 // Activation row j's sums and multiply-adds, written out for each j < N: as a loop over j, LLVM
@@ -278,6 +281,23 @@ pub mod avx512 {
                 _mm512_mask_storeu_ps(out.as_mut_ptr().add(j * stride + first), mask, *acc);
             }
         }
+    }
+
+    /// The four 32-bit words at byte `at` of each of 16 rows (`rows[r]` + `at`), transposed: word u of row r goes to
+    /// lane r of the u-th vector, as `vpgatherdd` would place it.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn words(rows: &[*const u8; 16], at: usize) -> [__m512i; 4] {
+        let load = |r: usize| _mm_loadu_si128(rows[r].add(at) as *const __m128i);
+        // Rows r, r + 4, r + 8 and r + 12 share a vector: the 128-bit quarters transpose alike.
+        let quarters = |r: usize| {
+            let v = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(load(r)), load(r + 4));
+            _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(v, load(r + 8)), load(r + 12))
+        };
+        let (y0, y1, y2, y3) = (quarters(0), quarters(1), quarters(2), quarters(3));
+        let (t0, t1) = (_mm512_unpacklo_epi32(y0, y1), _mm512_unpackhi_epi32(y0, y1));
+        let (t2, t3) = (_mm512_unpacklo_epi32(y2, y3), _mm512_unpackhi_epi32(y2, y3));
+        [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)]
     }
 }
 
