@@ -237,6 +237,7 @@ pub mod avx512 {
             let mut acc = [_mm512_setzero_ps(); N];
             for b in 0..nb {
                 let at = b * size;
+                // Every block type is at least 16 bytes from its header and from its values on.
                 let header = words(&group, at + B::HEADER)[0];
                 let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header));
                 let offset = if B::OWN_OFFSET {
