@@ -140,7 +140,7 @@ fn the_exported_head_runs_in_the_engine_as_it_trained() {
     let expected = train::teacher_forced_logits(&target.model, &exported, conv).unwrap();
     let mut draft = EagleDraft::load(&head, &target.model).unwrap();
     let h = target.model.config.hidden;
-    let features = CpuFeatures::from_hidden(conv.features.clone(), h);
+    let features = CpuFeatures::from_hidden(conv.features_f32(), h);
     let ctx = Context { tokens: &conv.tokens, features: &features };
     let worst = worst_difference(&draft.teacher_forced_logits(&ctx).unwrap(), &expected);
     assert!(worst < 1e-3, "engine and training forward differ by {worst}");
@@ -208,7 +208,7 @@ fn an_eagle3_head_learns_and_runs_in_the_engine_as_it_trained() {
     assert_eq!(draft.lm_head().row_ids.as_deref(), Some(&vocab.ids), "d2t maps the draft rows to the draft vocabulary");
     let conv = &data[0];
     let mut features = CpuFeatures::new(64, &capture);
-    (features.hidden, features.layers) = (conv.features.clone(), conv.layers.clone());
+    (features.hidden, features.layers) = (conv.features_f32(), conv.layers_f32());
     let ctx = Context { tokens: &conv.tokens, features: &features };
     let worst = worst_difference(&draft.teacher_forced_logits(&ctx).unwrap(), &train::teacher_forced_logits(&target.model, &exported, conv).unwrap());
     assert!(worst < 1e-3, "engine and training forward differ by {worst}");
@@ -303,4 +303,50 @@ fn the_target_writes_its_own_requests_the_same_for_a_seed() {
     // No turn can end with a request in one token: one clear error, not an endless loop.
     let err = requests(2, 7, 1).unwrap_err().to_string();
     assert!(err.contains("wrote only 0 usable requests"), "{err}");
+}
+
+#[test]
+fn teacher_data_reads_back_as_saved_and_a_damaged_file_is_one_error_naming_it() {
+    let (dir, _target, data) = target_and_data(8, Arch::Eagle3);
+    let path = dir.path().join("teacher.safetensors");
+    train::save_teacher(&path, &data, 64).unwrap();
+    assert!(data.iter().all(|c| !c.layers.is_empty()));
+    assert_eq!(train::load_teacher(&path, 64).unwrap(), data);
+    // EAGLE-1 data has no streams, and the file then holds no layers tensor.
+    let eagle1: Vec<Conversation> = data.iter().map(|c| Conversation { layers: Vec::new(), ..c.clone() }).collect();
+    train::save_teacher(&path, &eagle1, 64).unwrap();
+    assert_eq!(train::load_teacher(&path, 64).unwrap(), eagle1);
+    let saved = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+    assert!(!saved.contains_key("layers"));
+
+    let damaged = |change: &dyn Fn(&mut std::collections::HashMap<String, candle_core::Tensor>), hidden: usize| {
+        let mut tensors = saved.clone();
+        change(&mut tensors);
+        let bad = dir.path().join("damaged.safetensors");
+        candle_core::safetensors::save(&tensors, &bad).unwrap();
+        let err = format!("{:#}", train::load_teacher(&bad, hidden).unwrap_err());
+        assert!(err.contains(&bad.display().to_string()), "{err}");
+        err
+    };
+    let ints = |v: Vec<i64>| candle_core::Tensor::new(v, &candle_core::Device::Cpu).unwrap();
+    let offsets = saved["offsets"].to_vec1::<i64>().unwrap();
+    let mut past_end = offsets.clone();
+    *past_end.last_mut().unwrap() += 1;
+    assert!(damaged(&|t| drop(t.insert("offsets".into(), ints(past_end.clone()))), 64).contains("offsets or prompt lengths do not split the tokens"));
+    let mut one_token = offsets.clone();
+    one_token[1] = 1;
+    assert!(damaged(&|t| drop(t.insert("offsets".into(), ints(one_token.clone()))), 64).contains("conversations of two tokens or more"));
+    assert!(damaged(&|t| drop(t.remove("prompt_lens")), 64).contains("no tensor prompt_lens"));
+    let f32_features = saved["features"].to_dtype(candle_core::DType::F32).unwrap();
+    assert!(damaged(&|t| drop(t.insert("features".into(), f32_features.clone())), 64).contains("tensor features is F32"));
+    let fewer_rows = saved["features"].narrow(0, 1, saved["features"].dim(0).unwrap() - 1).unwrap();
+    assert!(damaged(&|t| drop(t.insert("features".into(), fewer_rows.clone())), 64).contains("rows of features for"));
+    assert!(damaged(&|_| (), 32).contains("features are 64 wide, the target's hidden size is 32"));
+    let mut negative = saved["tokens"].to_vec1::<i64>().unwrap();
+    negative[3] = -1;
+    assert!(damaged(&|t| drop(t.insert("tokens".into(), ints(negative.clone()))), 64).contains("token -1"));
+
+    std::fs::write(&path, b"not a safetensors file").unwrap();
+    let err = format!("{:#}", train::load_teacher(&path, 64).unwrap_err());
+    assert!(err.contains(&path.display().to_string()) && err.contains("is not a safetensors file"), "{err}");
 }

@@ -25,6 +25,7 @@ use crate::loading::target::Target;
 use crate::vocab::KeepSet;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
+use half::f16;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
@@ -146,8 +147,13 @@ fn shuffled(n: usize, rng: &mut ChaCha20Rng) -> Vec<usize> {
 
 /// Tensors to a safetensors file through a temporary file and a rename, so a reader never sees half of it.
 fn save_tensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    saved_whole(path, |tmp| Ok(candle_core::safetensors::save(tensors, tmp)?))
+}
+
+/// `write` to a temporary file beside `path`, then renamed to it.
+fn saved_whole(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = path.with_extension("partial");
-    candle_core::safetensors::save(tensors, &tmp)?;
+    write(&tmp)?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
@@ -157,15 +163,31 @@ pub struct Conversation {
     pub tokens: Vec<u32>,
     /// Tokens of the prompt; the rest is the target's answer.
     pub prompt_len: usize,
-    /// Post-norm target features of every token but the last, `[tokens.len() - 1, hidden]`, f16-rounded.
-    pub features: Vec<f32>,
+    /// Post-norm target features of every token but the last, `[tokens.len() - 1, hidden]`. Held in f16, the
+    /// precision they are stored and trained with, since f32 would double a run's memory: EAGLE-3's streams of
+    /// 8,800 ShareGPT answers are ≈ 9.6 GB in f16, too much for a 24 GB machine in f32.
+    pub features: Vec<f16>,
     /// The residual streams entering the target layers an EAGLE-3 head reads, at the same positions,
-    /// `[tokens.len() - 1, layers · hidden]`, f16-rounded; empty when none were captured (EAGLE-1).
-    pub layers: Vec<f32>,
+    /// `[tokens.len() - 1, layers · hidden]`; empty when none were captured (EAGLE-1).
+    pub layers: Vec<f16>,
 }
 
-fn f16_rounded(x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+impl Conversation {
+    pub fn features_f32(&self) -> Vec<f32> {
+        widened(&self.features)
+    }
+
+    pub fn layers_f32(&self) -> Vec<f32> {
+        widened(&self.layers)
+    }
+}
+
+fn widened(x: &[f16]) -> Vec<f32> {
+    x.iter().map(|x| x.to_f32()).collect()
+}
+
+fn narrowed(x: &[f32]) -> Vec<f16> {
+    x.iter().map(|&x| f16::from_f32(x)).collect()
 }
 
 /// Magpie's sampling (Xu et al. 2024): temperature 1 over the whole vocabulary, so requests are as varied as what
@@ -217,7 +239,7 @@ pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, 
     for batch in prompts.chunks(ANSWER_BATCH) {
         let chats = batch.iter().map(|p| tok.chat_prompt(&[Message::new("user", p)])).collect::<Result<Vec<_>>>()?;
         for (c, prompt) in crate::speculative::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, capture)?.into_iter().zip(&chats) {
-            let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features: f16_rounded(&c.features.hidden), layers: f16_rounded(&c.features.layers) };
+            let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features: narrowed(&c.features.hidden), layers: narrowed(&c.features.layers) };
             on_done(&conv);
             out.push(conv);
         }
@@ -253,65 +275,124 @@ pub fn forced(model: &Model, tokens: Vec<u32>, prompt_len: usize, capture: &[usi
     let mut captured = crate::engine::cpu::CpuFeatures::new(model.config.hidden, capture);
     captured.append(&f.hidden, &f.layer_inputs);
     let rows = tokens.len() - 1;
-    let features = f16_rounded(&captured.hidden[..rows * model.config.hidden]);
-    let layers = f16_rounded(&captured.layers[..rows * capture.len() * model.config.hidden]);
+    let features = narrowed(&captured.hidden[..rows * model.config.hidden]);
+    let layers = narrowed(&captured.layers[..rows * capture.len() * model.config.hidden]);
     Ok(Conversation { tokens, prompt_len, features, layers })
 }
 
-/// Save conversations as one safetensors file (tokens, offsets, prompt lengths, f16 features).
+/// Save conversations as one safetensors file (tokens, offsets, prompt lengths, f16 features and streams). Each
+/// tensor's bytes are gathered from the conversations only as it is written, so saving holds one tensor's bytes
+/// beside them, not a copy of all.
 pub fn save_teacher(path: &Path, convs: &[Conversation], hidden: usize) -> Result<()> {
-    let mut tokens = Vec::new();
-    let mut offsets = vec![0i64];
-    let (mut features, mut layers) = (Vec::new(), Vec::new());
-    for c in convs {
-        tokens.extend(c.tokens.iter().map(|&t| t as i64));
-        offsets.push(tokens.len() as i64);
-        features.extend(c.features.iter().map(|&x| half::f16::from_f32(x)));
-        layers.extend(c.layers.iter().map(|&x| half::f16::from_f32(x)));
-    }
-    let prompt_lens: Vec<i64> = convs.iter().map(|c| c.prompt_len as i64).collect();
-    let dev = Device::Cpu;
-    let rows = features.len() / hidden;
-    let mut tensors: HashMap<String, Tensor> = [
-        ("tokens", Tensor::from_vec(tokens.clone(), tokens.len(), &dev)?),
-        ("offsets", Tensor::from_vec(offsets.clone(), offsets.len(), &dev)?),
-        ("prompt_lens", Tensor::from_vec(prompt_lens, convs.len(), &dev)?),
-        ("features", Tensor::from_vec(features, (rows, hidden), &dev)?),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    let rows: usize = convs.iter().map(|c| c.features.len() / hidden).sum();
+    let tokens: usize = convs.iter().map(|c| c.tokens.len()).sum();
+    let mut tensors = vec![
+        ("tokens", Gathered::ints(tokens, || convs.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i64)).collect())),
+        ("offsets", Gathered::ints(convs.len() + 1, || std::iter::once(0).chain(convs.iter().scan(0, |end, c| {
+            *end += c.tokens.len() as i64;
+            Some(*end)
+        })).collect())),
+        ("prompt_lens", Gathered::ints(convs.len(), || convs.iter().map(|c| c.prompt_len as i64).collect())),
+        ("features", Gathered::halves(convs, rows, hidden, |c| &c.features)),
+    ];
     // Absent when no layers were captured, so EAGLE-1 teacher data stays as it was.
-    if !layers.is_empty() {
-        let width = layers.len() / rows.max(1);
-        tensors.insert("layers".into(), Tensor::from_vec(layers, (rows, width), &dev)?);
+    let streams: usize = convs.iter().map(|c| c.layers.len()).sum();
+    if streams > 0 {
+        tensors.push(("layers", Gathered::halves(convs, rows, streams / rows.max(1), |c| &c.layers)));
     }
-    save_tensors(&tensors, path)
+    saved_whole(path, |tmp| Ok(safetensors::serialize_to_file(tensors, None, tmp)?))
 }
 
+/// A tensor of a file being written, its bytes made when they are written.
+struct Gathered<'a> {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    bytes: Box<dyn Fn() -> Vec<u8> + 'a>,
+}
+
+impl<'a> Gathered<'a> {
+    fn ints(len: usize, values: impl Fn() -> Vec<i64> + 'a) -> Gathered<'a> {
+        let bytes = Box::new(move || values().iter().flat_map(|v| v.to_le_bytes()).collect());
+        Gathered { dtype: safetensors::Dtype::I64, shape: vec![len], bytes }
+    }
+
+    /// `[rows, width]` of f16 values, each conversation's `part` in turn.
+    fn halves(convs: &'a [Conversation], rows: usize, width: usize, part: fn(&Conversation) -> &[f16]) -> Gathered<'a> {
+        let bytes = Box::new(move || convs.iter().flat_map(|c| part(c).iter().flat_map(|x| x.to_le_bytes())).collect());
+        Gathered { dtype: safetensors::Dtype::F16, shape: vec![rows, width], bytes }
+    }
+}
+
+impl safetensors::View for Gathered<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        (self.bytes)().into()
+    }
+
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
+    }
+}
+
+/// The conversations of a teacher-data file, read from a mapping of it so that only the conversations take memory.
 pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
-    let t = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let get = |k: &str| t.get(k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()));
-    let tokens = get("tokens")?.to_vec1::<i64>()?;
-    let offsets = get("offsets")?.to_vec1::<i64>()?;
-    let prompt_lens = get("prompt_lens")?.to_vec1::<i64>()?;
-    let features = get("features")?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let (layers, width) = match t.get("layers") {
-        Some(l) => (l.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, l.dim(1)?),
-        None => (Vec::new(), 0),
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    // SAFETY: the file is only read while mapped, and teacher data is written whole to a new file and renamed over
+    // an old one (`saved_whole`), never changed in place.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot read {}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", path.display()))?;
+    let damaged = |what: String| anyhow!("{}: {what}: the teacher data is damaged", path.display());
+    let tensor = |name: &str, dtype: safetensors::Dtype, dims: usize| -> Result<Option<safetensors::tensor::TensorView>> {
+        match st.tensor(name) {
+            Ok(t) if t.dtype() != dtype || t.shape().len() != dims => Err(damaged(format!("tensor {name} is {:?} {:?}, not {dims}-d {dtype:?}", t.dtype(), t.shape()))),
+            Ok(t) => Ok(Some(t)),
+            Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+            Err(e) => Err(damaged(format!("tensor {name}: {e}"))),
+        }
     };
-    let mut out = Vec::new();
+    let ints = |name: &str| -> Result<Vec<i64>> {
+        let t = tensor(name, safetensors::Dtype::I64, 1)?.ok_or_else(|| damaged(format!("no tensor {name}")))?;
+        Ok(t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect())
+    };
+    let (tokens, offsets, prompt_lens) = (ints("tokens")?, ints("offsets")?, ints("prompt_lens")?);
+    let features = tensor("features", safetensors::Dtype::F16, 2)?.ok_or_else(|| damaged("no tensor features".into()))?;
+    let layers = tensor("layers", safetensors::Dtype::F16, 2)?;
+    let rows = features.shape()[0];
+    if features.shape()[1] != hidden {
+        return Err(damaged(format!("features are {} wide, the target's hidden size is {hidden}", features.shape()[1])));
+    }
+    if offsets.first() != Some(&0) || offsets.last() != Some(&(tokens.len() as i64)) || offsets.windows(2).any(|w| w[1].checked_sub(w[0]).is_none_or(|n| n < 2)) || prompt_lens.len() + 1 != offsets.len() {
+        return Err(damaged("offsets or prompt lengths do not split the tokens into conversations of two tokens or more".into()));
+    }
+    if rows != tokens.len() + 1 - offsets.len() || layers.as_ref().is_some_and(|l| l.shape()[0] != rows) {
+        return Err(damaged(format!("{rows} rows of features for {} tokens in {} conversations", tokens.len(), offsets.len() - 1)));
+    }
+    if let Some(t) = tokens.iter().find(|&&t| u32::try_from(t).is_err()) {
+        return Err(damaged(format!("token {t}")));
+    }
+    let halves = |t: &safetensors::tensor::TensorView, rows: std::ops::Range<usize>| -> Vec<f16> {
+        let width = 2 * t.shape()[1];
+        t.data()[rows.start * width..rows.end * width].chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect()
+    };
+    let mut out = Vec::with_capacity(prompt_lens.len());
     let mut row = 0;
-    for (i, w) in offsets.windows(2).enumerate() {
+    for (w, &prompt_len) in offsets.windows(2).zip(&prompt_lens) {
         let (a, b) = (w[0] as usize, w[1] as usize);
-        let n = b - a;
+        let span = row..row + b - a - 1;
         out.push(Conversation {
             tokens: tokens[a..b].iter().map(|&t| t as u32).collect(),
-            prompt_len: prompt_lens[i] as usize,
-            features: features[row * hidden..(row + n - 1) * hidden].to_vec(),
-            layers: layers.get(row * width..(row + n - 1) * width).unwrap_or_default().to_vec(),
+            prompt_len: usize::try_from(prompt_len).map_err(|_| damaged(format!("prompt length {prompt_len}")))?,
+            features: halves(&features, span.clone()),
+            layers: layers.as_ref().map(|l| halves(l, span.clone())).unwrap_or_default(),
         });
-        row += n - 1;
+        row = span.end;
     }
     Ok(out)
 }
@@ -735,16 +816,16 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, arch: Arch, no
         // it drafts, t_{i+2}, belongs to the answer.
         let pairs = c.tokens.len() - 1;
         match arch {
-            Arch::Eagle1 => inputs.extend(c.features.iter().map(|&x| x + noise.random_range(-0.1f32..0.1))),
+            Arch::Eagle1 => inputs.extend(c.features.iter().map(|&x| x.to_f32() + noise.random_range(-0.1f32..0.1))),
             Arch::Eagle3 if c.layers.is_empty() => bail!("EAGLE-3 training needs the target's residual streams, and a conversation holds none"),
-            Arch::Eagle3 => inputs.extend_from_slice(&c.layers),
+            Arch::Eagle3 => inputs.extend(c.layers.iter().map(|x| x.to_f32())),
         }
         next_tokens.extend_from_slice(&c.tokens[1..]);
         for i in 0..pairs.saturating_sub(1) {
             if i + 2 >= c.prompt_len {
                 counted.push(row + i as u32);
                 positions.push(i);
-                teacher.extend_from_slice(&c.features[(i + 1) * hidden..(i + 2) * hidden]);
+                teacher.extend(c.features[(i + 1) * hidden..(i + 2) * hidden].iter().map(|x| x.to_f32()));
             }
         }
         lens.push(pairs);
@@ -1110,7 +1191,8 @@ fn teacher_forced_inputs(target: &Model, state: &State, conv: &Conversation) -> 
     let n = conv.tokens.len() - 1;
     let embedding = dequantized(target.embedding())?;
     let emb = embedding.index_select(&Tensor::from_vec(conv.tokens[1..].to_vec(), n, &Device::Cpu)?, 0)?;
-    let read = if state.arch == Arch::Eagle3 { &conv.layers } else { &conv.features };
-    let inputs = Tensor::from_vec(read.clone(), (n, read.len() / n), &Device::Cpu)?;
+    let read = if state.arch == Arch::Eagle3 { conv.layers_f32() } else { conv.features_f32() };
+    let width = read.len() / n;
+    let inputs = Tensor::from_vec(read, (n, width), &Device::Cpu)?;
     Ok((emb, inputs, state.vars.iter().map(|v| v.as_tensor().clone()).collect()))
 }
