@@ -304,7 +304,8 @@ pub enum Command {
         /// are written anew).
         #[arg(long)]
         teacher_from: Option<PathBuf>,
-        /// Start from this head (a folder train-eagle exported) instead of initial weights: its weights, fresh
+        /// Start from this head (a folder train-eagle exported, or one packed as heads ship, its Q8_0 matrices
+        /// dequantized) instead of initial weights: its weights, fresh
         /// optimizer moments and a schedule of this run's own; an EAGLE-3 head keeps its draft vocabulary.
         #[arg(long)]
         init_from: Option<PathBuf>,

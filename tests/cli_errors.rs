@@ -577,7 +577,19 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
     assert!(err.contains("holds another training run (differs in: init_sha256)"), "{err}");
     failed(m, "init-arch", &["--arch", "eagle3", "--init-from", eagle1.to_str().unwrap()], "eagle1/model.safetensors: an eagle1 head, but this run trains --arch eagle3");
     failed(m, "init-vocab", &["--arch", "eagle3", "--draft-vocab", "32", "--init-from", t], "--draft-vocab 32 differs from the 64 draft ids of the --init-from head");
-    failed(m, "init-missing", &["--arch", "eagle3", "--init-from", packed.to_str().unwrap()], "packed/model.safetensors");
+    failed(m, "init-missing", &["--arch", "eagle3", "--init-from", eagle1.join("missing").to_str().unwrap()], "missing/model.safetensors");
+    // A head packed as heads ship starts a run too: from its dequantized Q8_0 matrices, its draft vocabulary kept.
+    let from_packed = run("from-packed", &["--arch", "eagle3", "--seed", "5", "--lr", "0", "--init-from", packed.to_str().unwrap()]);
+    assert_eq!(d2t(&from_packed), d2t(&taken));
+    let weights = |head: &Path, key: &str| candle_core::safetensors::load(head.join("model.safetensors"), &candle_core::Device::Cpu).unwrap()[key].to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for key in ["fc.weight", "lm_head.weight", "norm.weight"] {
+        let (unpacked, trained) = (weights(&from_packed, key), weights(&taken, key));
+        let spread = trained.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = unpacked.iter().zip(&trained).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        // Norms are packed in f32, matrices in Q8_0 (a step of at most 1/127 of a block's largest value).
+        let rounded = key != "norm.weight";
+        assert!(worst <= spread / 127.0 && (worst > 0.0) == rounded, "{key}: {worst} of {spread}");
+    }
     let mut narrow = candle_core::safetensors::load(taken.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
     narrow.insert("fc.weight".into(), narrow["fc.weight"].narrow(1, 0, 96).unwrap());
     candle_core::safetensors::save(&narrow, broken.join("model.safetensors")).unwrap();

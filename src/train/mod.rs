@@ -1018,8 +1018,9 @@ impl State {
     }
 }
 
-/// An exported head (model.safetensors in a folder, as `export` writes it): its weights in f32 with fresh moments,
-/// and an EAGLE-3 head's `d2t`, the draft vocabulary its LM head's rows stand for.
+/// An exported head (model.safetensors in a folder, as `export` writes it, or packed as heads ship,
+/// `loading::pack`): its weights in f32 with fresh moments, and an EAGLE-3 head's `d2t`, the draft vocabulary its LM
+/// head's rows stand for.
 pub struct Head {
     pub state: State,
     pub d2t: Option<Vec<i64>>,
@@ -1028,8 +1029,12 @@ pub struct Head {
 
 impl Head {
     pub fn load(dir: &Path) -> Result<Head> {
-        let path = dir.join("model.safetensors");
-        let t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let (path, packed) = (dir.join("model.safetensors"), dir.join(crate::loading::pack::PACKED));
+        let (t, path) = if !path.exists() && packed.exists() {
+            (Head::unpacked(&packed).with_context(|| format!("cannot read {}", packed.display()))?, packed)
+        } else {
+            (candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| anyhow!("{}: {e}", path.display()))?, path)
+        };
         let get = |k: &str| t.get(k).ok_or_else(|| anyhow!("{}: no tensor {k}", path.display()));
         let arch = Arch::of(&t);
         let init = arch.keys().iter().map(|k| get(k)?.to_dtype(DType::F32).map_err(Into::into)).collect::<Result<Vec<_>>>()?;
@@ -1038,6 +1043,20 @@ impl Head {
             Arch::Eagle3 => Some(get("d2t")?.to_dtype(DType::I64)?.to_vec1::<i64>()?),
         };
         Ok(Head { state: State::fresh(arch, init)?, d2t, path })
+    }
+
+    /// A packed head's tensors, its Q8_0 matrices dequantized (so training on from a shipped head starts from its
+    /// rounded weights) and d2t, which the GGUF holds in f32, back in i64.
+    fn unpacked(path: &Path) -> Result<HashMap<String, Tensor>> {
+        let mut file = std::fs::File::open(path)?;
+        let content = candle_core::quantized::gguf_file::Content::read(&mut file)?;
+        let mut tensors = HashMap::new();
+        for name in content.tensor_infos.keys() {
+            let t = content.tensor(&mut file, name, &Device::Cpu)?.dequantize(&Device::Cpu)?;
+            let t = if name == "d2t" { t.to_dtype(DType::I64)? } else { t };
+            tensors.insert(name.clone(), t);
+        }
+        Ok(tensors)
     }
 }
 
