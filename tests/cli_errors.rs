@@ -590,6 +590,18 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
         let rounded = key != "norm.weight";
         assert!(worst <= spread / 127.0 && (worst > 0.0) == rounded, "{key}: {worst} of {spread}");
     }
+    // With no step, --init-from writes the head as it came in (a packed one unpacked): what steps at lr 0 give.
+    let no_step = |from: &Path, out: &str| {
+        let out = dir.path().join(out);
+        let mut a = args(m, &out, &["--arch", "eagle3", "--init-from", from.to_str().unwrap()]);
+        let steps = a.iter().position(|x| x == "--steps").unwrap();
+        a[steps + 1] = "0".into();
+        let done = frspec().args(&a).output().unwrap();
+        assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+        bytes(out.join("model.safetensors"))
+    };
+    assert_eq!(no_step(&packed, "unpacked"), bytes(from_packed.join("model.safetensors")));
+    assert_eq!(no_step(&taken, "as-it-came"), bytes(taken.join("model.safetensors")));
     let mut narrow = candle_core::safetensors::load(taken.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
     narrow.insert("fc.weight".into(), narrow["fc.weight"].narrow(1, 0, 96).unwrap());
     candle_core::safetensors::save(&narrow, broken.join("model.safetensors")).unwrap();

@@ -291,8 +291,8 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         if s.feature_weight != 0.0 {
             bail!("--arch eagle3 has no feature regression (its outputs are not the target's features): --feature-weight must be 0");
         }
-        if s.steps == 0 {
-            bail!("--arch eagle3 --steps 0: the draft vocabulary comes from the teacher data, so an untrained head needs at least one step");
+        if s.steps == 0 && o.init_from.is_none() {
+            bail!("--arch eagle3 --steps 0: the draft vocabulary comes from the teacher data, so an untrained head needs at least one step (or --init-from a head, whose vocabulary it keeps)");
         }
     }
     keep_freed_memory();
@@ -447,9 +447,15 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     crate::files::write_atomic(&run_json, serde_json::to_string_pretty(&identity)?.as_bytes())?;
 
     if s.steps == 0 {
-        let trainer = Trainer { target: &target, data: &[], keep: keep.as_ref(), settings: s.clone() };
-        export(&o.out, &trainer.start()?, &target.model, keep.as_ref())?;
-        eprintln!("untrained (initial) head written to {}", o.out.display());
+        // No step: the --init-from head as it is (a packed one unpacked, in the layout train-eagle exports), else
+        // initial weights.
+        let keep = init_vocabulary.or(keep);
+        let (state, what) = match init {
+            Some(head) => (head.state, "the --init-from head"),
+            None => (Trainer { target: &target, data: &[], keep: keep.as_ref(), settings: s.clone() }.start()?, "untrained (initial) head"),
+        };
+        export(&o.out, &state, &target.model, keep.as_ref())?;
+        eprintln!("{what} written to {}", o.out.display());
         return Ok(None);
     }
     let hidden = target.model.config.hidden;
