@@ -14,6 +14,11 @@ fn ratio(text: &str) -> std::result::Result<f64, String> {
     Ok(r)
 }
 
+fn ratio_pair(text: &str) -> std::result::Result<frspec::outputs::compare::RatioPair, String> {
+    let (a, b) = text.split_once('=').ok_or_else(|| format!("`{text}` is not BASE=OTHER (two ratios)"))?;
+    Ok((ratio(a)?, ratio(b)?))
+}
+
 fn shard(text: &str) -> std::result::Result<frspec::sweep::shard::Shard, String> {
     frspec::sweep::shard::Shard::parse(text).map_err(|e| e.to_string())
 }
@@ -198,6 +203,10 @@ pub enum Command {
         base: PathBuf,
         /// The sweep compared with it.
         other: PathBuf,
+        /// Pair the base sweep's ratio A with the other's ratio B (A=B, as reports print ratios) instead of equal
+        /// ratios: a draft at full vocabulary against a pruned one, say. Repeatable; the table follows their order.
+        #[arg(long, value_parser = ratio_pair)]
+        pair: Vec<frspec::outputs::compare::RatioPair>,
         /// Write the Markdown table to this file instead of stdout.
         #[arg(long)]
         out: Option<PathBuf>,

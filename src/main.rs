@@ -173,9 +173,9 @@ fn run(cli: Cli) -> Result<()> {
                 None => print!("{text}"),
             }
         }
-        Command::Compare { base, other, out } => {
+        Command::Compare { base, other, pair, out } => {
             use frspec::outputs::compare;
-            let rows = compare::compare(&compare::runs(&base)?, &compare::runs(&other)?, frspec::stats::Bootstrap::default())?;
+            let rows = compare::compare(&compare::runs(&base)?, &compare::runs(&other)?, &pair, frspec::stats::Bootstrap::default())?;
             let name = |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned());
             let table = compare::table(&rows, &name(&base), &name(&other));
             match out {

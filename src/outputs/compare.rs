@@ -12,6 +12,8 @@ use std::path::Path;
 #[derive(Clone, Debug)]
 pub struct Row {
     pub ratio: f64,
+    /// The other sweep's ratio: `ratio` unless `--pair` matched two.
+    pub other_ratio: f64,
     pub temperature: f32,
     pub prompts: usize,
     pub base: Estimate,
@@ -33,30 +35,57 @@ pub fn runs(dir: &Path) -> Result<Vec<RunCounts>> {
     store::read_runs(&path)
 }
 
-/// Every cell the two sweeps share, in the base sweep's order; both must hold the same prompts and repeats there.
-pub fn compare(base: &[RunCounts], other: &[RunCounts], b: Bootstrap) -> Result<Vec<Row>> {
-    let mut cells: Vec<(f64, f32)> = Vec::new();
-    for r in base {
-        if !cells.contains(&(r.ratio, r.temperature)) && other.iter().any(|o| (o.ratio, o.temperature) == (r.ratio, r.temperature)) {
-            cells.push((r.ratio, r.temperature));
+/// The base sweep's ratio paired with the other's (`compare --pair`), as reports print ratios (4 decimals).
+pub type RatioPair = (f64, f64);
+
+/// A ratio of `runs` that prints as `wanted` does (4 decimals), exactly as the sweep stored it.
+fn stored_ratio(runs: &[RunCounts], wanted: f64, which: &str) -> Result<f64> {
+    let printed = |r: f64| (r * 1e4).round() as i64;
+    match runs.iter().find(|r| printed(r.ratio) == printed(wanted)) {
+        Some(r) => Ok(r.ratio),
+        None => {
+            let mut held: Vec<f64> = runs.iter().map(|r| (r.ratio * 1e4).round() / 1e4).collect();
+            held.sort_by(f64::total_cmp);
+            held.dedup();
+            bail!("--pair: the {which} sweep has no ratio {wanted} (it has {held:?})")
+        }
+    }
+}
+
+/// The cells compared: with no `pairs`, every cell the two sweeps share, in the base sweep's order; else each
+/// pair's base ratio against its other ratio, at every temperature both hold there. Both sweeps must hold the same
+/// prompts and repeats in each.
+pub fn compare(base: &[RunCounts], other: &[RunCounts], pairs: &[RatioPair], b: Bootstrap) -> Result<Vec<Row>> {
+    let ratio_pairs = match pairs {
+        [] => base.iter().map(|r| (r.ratio, r.ratio)).collect(),
+        _ => pairs.iter().map(|&(a, o)| Ok((stored_ratio(base, a, "base")?, stored_ratio(other, o, "other")?))).collect::<Result<Vec<_>>>()?,
+    };
+    let mut cells: Vec<(f64, f64, f32)> = Vec::new();
+    for (a, o) in ratio_pairs {
+        for r in base.iter().filter(|r| r.ratio == a) {
+            let cell = (a, o, r.temperature);
+            if !cells.contains(&cell) && other.iter().any(|x| (x.ratio, x.temperature) == (o, r.temperature)) {
+                cells.push(cell);
+            }
         }
     }
     if cells.is_empty() {
         bail!("the two sweeps share no cell (ratio and temperature)");
     }
-    let units = |runs: &[RunCounts], (ratio, t): (f64, f32)| -> Vec<Unit> {
+    let units = |runs: &[RunCounts], ratio: f64, t: f32| -> Vec<Unit> {
         runs.iter().filter(|r| r.ratio == ratio && r.temperature == t).map(|r| r.unit.clone()).collect()
     };
     cells
         .into_iter()
-        .map(|cell| {
-            let (a, o) = (units(base, cell), units(other, cell));
+        .map(|(ratio, other_ratio, t)| {
+            let (a, o) = (units(base, ratio, t), units(other, other_ratio, t));
             let difference = paired_difference(&o, &a, Metric::MeanAcceptanceLength, b)
-                .map_err(|e| anyhow::anyhow!("ratio {} at T = {}: {e}", cell.0, cell.1))?;
+                .map_err(|e| anyhow::anyhow!("ratio {} at T = {t}: {e}", label(ratio, other_ratio)))?;
             let (better, worse, tied) = per_prompt(&a, &o);
             Ok(Row {
-                ratio: cell.0,
-                temperature: cell.1,
+                ratio,
+                other_ratio,
+                temperature: t,
                 prompts: better + worse + tied,
                 base: estimate(&a, Metric::MeanAcceptanceLength, b),
                 other: estimate(&o, Metric::MeanAcceptanceLength, b),
@@ -76,6 +105,15 @@ fn per_prompt(base: &[Unit], other: &[Unit]) -> (usize, usize, usize) {
     (count(std::cmp::Ordering::Greater), count(std::cmp::Ordering::Less), count(std::cmp::Ordering::Equal))
 }
 
+/// A cell's ratio: one number, or the base's and the other's when `--pair` matched two.
+fn label(ratio: f64, other_ratio: f64) -> String {
+    let printed = |r: f64| (r * 1e4).round() / 1e4;
+    match ratio == other_ratio {
+        true => format!("{}", printed(ratio)),
+        false => format!("{} vs {}", printed(ratio), printed(other_ratio)),
+    }
+}
+
 /// The rows as a Markdown table.
 pub fn table(rows: &[Row], base_name: &str, other_name: &str) -> String {
     let signed = |e: &Estimate, d: usize| format!("{:+.d$} [{:+.d$}, {:+.d$}]", e.value, e.bootstrap.lo, e.bootstrap.hi, d = d);
@@ -85,7 +123,7 @@ pub fn table(rows: &[Row], base_name: &str, other_name: &str) -> String {
     for r in rows {
         out += &format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} / {} |\n",
-            r.ratio,
+            label(r.ratio, r.other_ratio),
             r.temperature,
             r.prompts,
             with_ci(&r.base, 3),
@@ -114,7 +152,7 @@ mod tests {
         // Ratio 0 in both; ratio 0.5 only in the base. Base lengths 1.5 and 2.0 (pooled 1.75), other 2.0 and 2.0.
         let base = [run(0.0, "81", 10, 5), run(0.0, "82", 10, 10), run(0.5, "81", 10, 1)];
         let other = [run(0.0, "82", 10, 10), run(0.0, "81", 10, 10)];
-        let rows = compare(&base, &other, Bootstrap::default()).unwrap();
+        let rows = compare(&base, &other, &[], Bootstrap::default()).unwrap();
         assert_eq!(rows.len(), 1);
         let r = &rows[0];
         assert_eq!((r.ratio, r.prompts, r.better, r.worse), (0.0, 2, 1, 0));
@@ -128,9 +166,28 @@ mod tests {
 
     #[test]
     fn sweeps_of_other_prompts_do_not_compare() {
-        let e = compare(&[run(0.0, "81", 10, 5)], &[run(0.0, "82", 10, 5)], Bootstrap::default()).unwrap_err().to_string();
+        let e = compare(&[run(0.0, "81", 10, 5)], &[run(0.0, "82", 10, 5)], &[], Bootstrap::default()).unwrap_err().to_string();
         assert!(e.contains("ratio 0 at T = 0") && e.contains("same prompts"), "{e}");
-        let e = compare(&[run(0.0, "81", 10, 5)], &[run(0.5, "81", 10, 5)], Bootstrap::default()).unwrap_err().to_string();
+        let e = compare(&[run(0.0, "81", 10, 5)], &[run(0.5, "81", 10, 5)], &[], Bootstrap::default()).unwrap_err().to_string();
         assert!(e.contains("share no cell"), "{e}");
+    }
+
+    #[test]
+    fn pairs_match_another_ratio_of_the_other_sweep_as_reports_print_it() {
+        // The other sweep's ratio 5/6 stored in full; the base's ratio 0 pairs with it, as 0.8333 names it.
+        let five_sixths = 1.0 - 8192.0 / 49152.0;
+        let base = [run(0.0, "81", 10, 5), run(0.0, "82", 10, 10), run(0.5, "81", 10, 1), run(0.5, "82", 10, 1)];
+        let other = [run(five_sixths, "81", 10, 10), run(five_sixths, "82", 10, 10)];
+        let rows = compare(&base, &other, &[(0.0, 0.8333)], Bootstrap::default()).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!((rows[0].ratio, rows[0].other_ratio, rows[0].better, rows[0].worse), (0.0, five_sixths, 1, 0));
+        assert!((rows[0].difference.value - 0.25).abs() < 1e-12, "{:?}", rows[0].difference);
+        assert!(table(&rows, "A", "B").contains("| 0 vs 0.8333 | 0 | 2 |"), "{}", table(&rows, "A", "B"));
+        let rows = compare(&base, &other, &[(0.5, 0.8333), (0.0, 0.8333)], Bootstrap::default()).unwrap();
+        assert_eq!(rows.iter().map(|r| r.ratio).collect::<Vec<_>>(), [0.5, 0.0], "in the pairs' order");
+        let e = compare(&base, &other, &[(0.0, 0.83)], Bootstrap::default()).unwrap_err().to_string();
+        assert!(e.contains("the other sweep has no ratio 0.83 (it has [0.8333])"), "{e}");
+        let e = compare(&base, &other, &[(0.75, 0.8333)], Bootstrap::default()).unwrap_err().to_string();
+        assert!(e.contains("the base sweep has no ratio 0.75 (it has [0.0, 0.5])"), "{e}");
     }
 }
