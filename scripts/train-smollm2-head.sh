@@ -24,9 +24,11 @@
 # eagle3 (heads/smollm2-135m-eagle3/, preset smollm2-eagle3): the first 2,400 distinct ShareGPT requests answered by
 # the target, its residual streams entering layers 2, 15 and 27 kept; a draft vocabulary of the 8,192 ids its
 # answers hold most often; the token term alone with the training-time test over 2 further steps; four epochs, then
-# two more from that head with a schedule of their own (--init-from: lr 3e-4, warm-up 20). Packed in Q8_0 (frspec
-# pack-head). About 3,300 s of data and 5,900 + 3,000-3,900 s of training when timed
-# (results/train/smollm2-135m-eagle3.md), ≈ 9,600-10,600 s in all estimated from the faster steps and answers since.
+# two more from that head with a schedule of their own (--init-from: lr 3e-4, warm-up 20). About 3,300 s of data and
+# 5,900 + 3,000-3,900 s of training when timed (results/train/smollm2-135m-eagle3.md), ≈ 9,600-10,600 s in all
+# estimated from the faster steps and answers since. Then one epoch from that head over the first 3,600 requests
+# answered with 8-bit activations (data of its own: ≈ 2,000 s; 900 steps, 1,641 s on a 2-core Intel Xeon), +0.030
+# on MT-Bench, 1.591. Packed in Q8_0 (frspec pack-head).
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
@@ -44,8 +46,8 @@ shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
 [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
-# Each recipe has two stages (EAGLE-1 three); each later one starts from the head before with fresh optimizer moments
-# and a schedule of its own (--init-from).
+# EAGLE-1's recipe has four stages, EAGLE-3's three; each after the first starts from the head before with fresh
+# optimizer moments and a schedule of its own (--init-from).
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
           recipe=(--prompts 2400 --continuations 1500 --self-prompts 2800 --freq brown-smollm2 --ratio 0.75); steps=10050
@@ -55,7 +57,9 @@ case $arch in
           later=(--prompts 0 --sharegpt 8800 --unroll 2); later_names=(tt2-1ep tt2-2ep); later_steps=2200 ;;
   eagle3) run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
           recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400
-          second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200 ;;
+          second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200
+          later=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 3600 --unroll 2); later_names=(sg3600-q8)
+          later_steps=900 ;;
 esac
 start=$(date +%s)
 train() {
@@ -66,12 +70,15 @@ train --out "$run" --lr 1e-3 --warmup 40 --steps "$steps" "${recipe[@]}" "$@"
 first=$run
 run=$first-$second_name
 FRSPEC_ACTIVATIONS=$second_activations train --out "$run" --lr 3e-4 --warmup 20 --steps "$second_steps" "${second[@]}" --init-from "$first"
-# Each later stage on the second stage's answers again (--teacher-from), with its arithmetic.
+# Later stages answer with 8-bit activations. Each takes over the stage before's answers (--teacher-from) where they
+# are its requests made so; EAGLE-3's first later stage makes its own (more requests; its stages before had f32).
 for name in "${later_names[@]}"; do
   previous=$run
   run=$previous-$name
-  FRSPEC_ACTIVATIONS=$second_activations train --out "$run" --lr 3e-4 --warmup 20 --steps "$later_steps" "${later[@]}" \
-    --init-from "$previous" --teacher-from "$previous"
+  teacher=(--teacher-from "$previous")
+  if [ "$arch" = eagle3 ] && [ "$previous" = "$first-$second_name" ]; then teacher=(); fi
+  FRSPEC_ACTIVATIONS=q8 train --out "$run" --lr 3e-4 --warmup 20 --steps "$later_steps" "${later[@]}" \
+    --init-from "$previous" "${teacher[@]}"
 done
 echo "recipe wall time: $(( $(date +%s) - start )) s"
 head=heads/smollm2-135m-$arch
