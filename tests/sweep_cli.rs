@@ -125,7 +125,7 @@ fn writes_the_tables_with_their_schema_and_counts_and_repeats_them_byte_for_byte
     let runs = compare::runs(&a).unwrap();
     assert_eq!(runs.len(), runs_height(&a));
     let at = |ratio: f64| runs.iter().filter(|r| r.ratio == ratio).map(|r| RunCounts { ratio: 0.0, ..r.clone() }).collect::<Vec<_>>();
-    let rows = compare::compare(&at(0.0), &at(0.5), frspec::stats::Bootstrap::default()).unwrap();
+    let rows = compare::compare(&at(0.0), &at(0.5), &[], frspec::stats::Bootstrap::default()).unwrap();
     let temperature: Vec<f32> = summary.column("temperature").unwrap().f32().unwrap().into_no_null_iter().collect();
     assert_eq!(rows.len(), 2);
     for row in rows {
