@@ -2,7 +2,7 @@
 //! resampling the same prompts for both (`stats::paired_difference`). What tells whether one draft (a retrained
 //! head, another engine) is better than another, or only looks it.
 
-use super::report::with_ci;
+use super::report::{printed_ratio, with_ci};
 use super::store::{self, RunCounts};
 use crate::stats::{by_prompt, estimate, paired_difference, Bootstrap, Estimate, Metric, Unit};
 use anyhow::{bail, Result};
@@ -40,11 +40,10 @@ pub type RatioPair = (f64, f64);
 
 /// A ratio of `runs` that prints as `wanted` does (4 decimals), exactly as the sweep stored it.
 fn stored_ratio(runs: &[RunCounts], wanted: f64, which: &str) -> Result<f64> {
-    let printed = |r: f64| (r * 1e4).round() as i64;
-    match runs.iter().find(|r| printed(r.ratio) == printed(wanted)) {
+    match runs.iter().find(|r| printed_ratio(r.ratio) == printed_ratio(wanted)) {
         Some(r) => Ok(r.ratio),
         None => {
-            let mut held: Vec<f64> = runs.iter().map(|r| (r.ratio * 1e4).round() / 1e4).collect();
+            let mut held: Vec<f64> = runs.iter().map(|r| printed_ratio(r.ratio)).collect();
             held.sort_by(f64::total_cmp);
             held.dedup();
             bail!("--pair: the {which} sweep has no ratio {wanted} (it has {held:?})")
@@ -107,10 +106,9 @@ fn per_prompt(base: &[Unit], other: &[Unit]) -> (usize, usize, usize) {
 
 /// A cell's ratio: one number, or the base's and the other's when `--pair` matched two.
 fn label(ratio: f64, other_ratio: f64) -> String {
-    let printed = |r: f64| (r * 1e4).round() / 1e4;
     match ratio == other_ratio {
-        true => format!("{}", printed(ratio)),
-        false => format!("{} vs {}", printed(ratio), printed(other_ratio)),
+        true => format!("{}", printed_ratio(ratio)),
+        false => format!("{} vs {}", printed_ratio(ratio), printed_ratio(other_ratio)),
     }
 }
 

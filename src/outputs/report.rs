@@ -10,11 +10,16 @@ pub(crate) fn with_ci(e: &Estimate, decimals: usize) -> String {
     format!("{:.d$} [{:.d$}, {:.d$}]", e.value, e.bootstrap.lo, e.bootstrap.hi, d = decimals)
 }
 
+/// A ratio as tables print it: to 4 decimals (5/6 is 0.8333).
+pub(crate) fn printed_ratio(ratio: f64) -> f64 {
+    (ratio * 1e4).round() / 1e4
+}
+
 fn ratio_label(c: &CellSummary) -> String {
     if c.ratio == 0.0 {
         "vanilla".into()
     } else {
-        format!("{}", (c.ratio * 1e4).round() / 1e4)
+        format!("{}", printed_ratio(c.ratio))
     }
 }
 
