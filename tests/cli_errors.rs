@@ -695,6 +695,11 @@ fn comparing_folders_that_hold_no_sweep() {
     std::fs::write(dir.path().join("runs.parquet"), "not parquet").unwrap();
     let err = fails(&["compare", d, d], &[]);
     assert!(err.contains("runs.parquet is not a readable Parquet file"), "{err}");
+    // --pair needs two ratios, each in [0, 1).
+    for (pair, expected) in [("0.5", "`0.5` is not BASE=OTHER (two ratios)"), ("0=1.5", "pruning ratio must be in [0, 1), got 1.5")] {
+        let err = fails(&["compare", d, d, "--pair", pair], &[]);
+        assert!(err.contains(expected), "{pair}: {err}");
+    }
 }
 
 #[test]
