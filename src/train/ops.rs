@@ -1,20 +1,117 @@
 //! The ops training differentiates through, composed of candle's primitive ops: candle-nn's fused kernels, which
 //! the inference forward uses, have no backward pass. Training runs in f32 on the CPU.
 
-use crate::engine::candle::llama::{causal_mask, RopeTables};
+use crate::engine::candle::llama::RopeTables;
 use crate::engine::cpu::exp::exp_in_place;
 use anyhow::Result;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+/// RMS norm of the rows of `x` (over its last dimension) times `w`, with the forward bits of candle-nn's composed
+/// `rms_norm_slow` (x / √(Σx²/h + ε) · w) in one pass a row, and a backward of two passes; composed, it was six
+/// tensors each way, each gradient allocated, zeroed and added by candle's backward.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    Ok(candle_nn::ops::rms_norm_slow(x, w, eps as f32)?)
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })?)
 }
 
-fn softmax(x: &Tensor) -> Result<Tensor> {
-    Ok(candle_nn::ops::softmax(x, D::Minus1)?)
+struct RmsNorm {
+    eps: f32,
 }
+
+impl RmsNorm {
+    /// The values of `x` (rows as wide as `w`), of `w`, and that width.
+    fn rows<'a>(&self, s1: &'a CpuStorage, l1: &Layout, s2: &'a CpuStorage, l2: &Layout) -> candle_core::Result<(&'a [f32], &'a [f32], usize)> {
+        let (x, w) = (f32_values(s1, l1, "rms norm: its input")?, f32_values(s2, l2, "rms norm: its weight")?);
+        let h = w.len();
+        if l1.dims().last() != Some(&h) || h == 0 {
+            candle_core::bail!("rms norm: input {:?} against a weight {:?}", l1.dims(), l2.dims());
+        }
+        Ok((x, w, h))
+    }
+
+    /// A row's √(Σx²/h + ε) as candle's ops compute it; `scratch` is as wide as the row.
+    fn root_mean_square(&self, x: &[f32], scratch: &mut [f32]) -> f32 {
+        scratch.iter_mut().zip(x).for_each(|(s, &x)| *s = x * x);
+        let mean = row_sum(scratch) * (1.0 / x.len() as f64) as f32;
+        (mean + self.eps).sqrt()
+    }
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, w, h) = self.rows(s1, l1, s2, l2)?;
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(h).zip(x.par_chunks(h)).for_each(|(y, x)| {
+            let rms = self.root_mean_square(x, y);
+            y.iter_mut().zip(x).zip(w).for_each(|((y, &x), &w)| *y = x / rms * w);
+        });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let of = |input| x.apply_op3_no_bwd(w, &grad, &RmsNormGrad { norm: RmsNorm { eps: self.eps }, input });
+        Ok((Some(of(true)?), Some(of(false)?)))
+    }
+}
+
+/// A gradient of `RmsNorm` given x, w and the output's gradient g, with r = √(Σx²/h + ε) a row: of the input
+/// (`input`), w·g / r − x · Σ(w·g·x) / (h r³) a row, or of the weight, Σ over rows of g · x / r.
+struct RmsNormGrad {
+    norm: RmsNorm,
+    input: bool,
+}
+
+/// Rows a block of the weight's gradient sums before the blocks are added in order: a fixed split, so that the sum,
+/// and so training, does not depend on how rayon shares the blocks out.
+const ROWS_A_BLOCK: usize = 64;
+
+impl CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "rms-norm-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, w, h) = self.norm.rows(s1, l1, s2, l2)?;
+        let g = f32_values(s3, l3, "rms norm: its gradient")?;
+        if g.len() != x.len() {
+            candle_core::bail!("rms norm: input {:?} against a gradient {:?}", l1.dims(), l3.dims());
+        }
+        if self.input {
+            let mut dx = vec![0f32; x.len()];
+            dx.par_chunks_mut(h).zip(x.par_chunks(h)).zip(g.par_chunks(h)).for_each(|((dx, x), g)| {
+                let rms = self.norm.root_mean_square(x, dx);
+                let dot: f32 = x.iter().zip(g).zip(w).map(|((x, g), w)| x * g * w).sum();
+                let along = dot / (h as f32 * rms * rms * rms);
+                dx.iter_mut().zip(x).zip(g.iter().zip(w)).for_each(|((dx, &x), (&g, &w))| *dx = w * g / rms - x * along);
+            });
+            return Ok((CpuStorage::F32(dx), l1.shape().clone()));
+        }
+        let blocks: Vec<Vec<f32>> = x
+            .par_chunks(h * ROWS_A_BLOCK)
+            .zip(g.par_chunks(h * ROWS_A_BLOCK))
+            .map(|(x, g)| {
+                let (mut dw, mut scratch) = (vec![0f32; h], vec![0f32; h]);
+                for (x, g) in x.chunks(h).zip(g.chunks(h)) {
+                    let rms = self.norm.root_mean_square(x, &mut scratch);
+                    dw.iter_mut().zip(x).zip(g).for_each(|((dw, &x), &g)| *dw += g * x / rms);
+                }
+                dw
+            })
+            .collect();
+        let dw = blocks.into_iter().reduce(|mut sum, block| {
+            sum.iter_mut().zip(block).for_each(|(s, b)| *s += b);
+            sum
+        });
+        Ok((CpuStorage::F32(dw.unwrap_or_else(|| vec![0.0; h])), l2.shape().clone()))
+    }
+}
+
 
 /// Rotate `x` `[heads, n, d]` (rotate-half pairs).
 pub fn rope(tables: &RopeTables, x: &Tensor) -> Result<Tensor> {
@@ -27,12 +124,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Ten
     let (heads, n, d) = q.dims3()?;
     let (k, v) = (grouped(k, heads)?, grouped(v, heads)?);
     let total = k.dim(1)?;
-    let mut scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
-    if n > 1 {
-        scores = scores.broadcast_add(&causal_mask(n, total, start, false, q.device())?)?;
-    }
-    let out = softmax(&scores)?.matmul(&v)?;
-    Ok(out.transpose(0, 1)?.reshape((n, heads * d))?)
+    let p = masked_softmax(&q.matmul(&k.t()?)?, d, Seen { block: total, offset: start as isize + 1 })?;
+    Ok(p.matmul(&v)?.transpose(0, 1)?.reshape((n, heads * d))?)
 }
 
 /// Attention of draft step j = `earlier.len()` of a chain unrolled along a sequence (EAGLE-3's training-time test):
@@ -43,19 +136,18 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Ten
 pub fn attention_unrolled(q: &Tensor, earlier: &[(Tensor, Tensor)], k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
     let j = earlier.len();
-    let scale = (d as f64).sqrt();
     let (k0, v0) = (grouped(&earlier[0].0, heads)?, grouped(&earlier[0].1, heads)?);
-    let mask: Vec<f32> = (0..n).flat_map(|i| (0..n).map(move |r| if r + j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
-    let mut scores = vec![(q.matmul(&k0.t()?)? / scale)?.broadcast_add(&Tensor::from_vec(mask, (n, n), q.device())?)?];
+    let mut scores = vec![q.matmul(&k0.t()?)?];
     // The chain's own rows, moved down so that row i holds the one query i attends to.
     let chain = earlier[1..].iter().enumerate().map(|(k, (kk, vv))| (kk, vv, j - 1 - k)).chain(std::iter::once((k_own, v_own, 0)));
     let mut values = Vec::with_capacity(j);
     for (kk, vv, shift) in chain {
         let kk = grouped(&shifted_down(kk, shift)?, heads)?;
-        scores.push(((q * &kk)?.sum_keepdim(2)? / scale)?);
+        scores.push((q * &kk)?.sum_keepdim(2)?);
         values.push(grouped(&shifted_down(vv, shift)?, heads)?);
     }
-    let p = softmax(&Tensor::cat(&scores, 2)?)?;
+    // Row i sees the true-feature rows 0..=i − j and every chain column.
+    let p = masked_softmax(&Tensor::cat(&scores, 2)?, d, Seen { block: n, offset: 1 - j as isize })?;
     let mut out = p.narrow(2, 0, n)?.matmul(&v0)?;
     for (k, v) in values.iter().enumerate() {
         out = (out + p.narrow(2, n + k, 1)?.broadcast_mul(v)?)?;
@@ -80,6 +172,113 @@ fn shifted_down(t: &Tensor, by: usize) -> Result<Tensor> {
 fn grouped(t: &Tensor, heads: usize) -> Result<Tensor> {
     let (kv_heads, n, d) = t.dims3()?;
     Ok(t.unsqueeze(1)?.broadcast_as((kv_heads, heads / kv_heads, n, d))?.reshape((heads, n, d))?)
+}
+
+/// Which columns of a row of attention scores `[heads, n, width]` its query sees: in row i, the first i + `offset`
+/// of the first `block` columns (none when that is negative, all when it passes `block`) and every column after them.
+#[derive(Clone, Copy, Debug)]
+pub struct Seen {
+    pub block: usize,
+    pub offset: isize,
+}
+
+impl Seen {
+    fn in_block(self, row: usize) -> usize {
+        (row as isize + self.offset).clamp(0, self.block as isize) as usize
+    }
+
+    fn hides(self, row: usize, column: usize) -> bool {
+        column >= self.in_block(row) && column < self.block
+    }
+}
+
+/// softmax(scores / √`head_dim`), the columns a query does not see (`seen`) left out, over the last dimension of
+/// `scores` `[heads, n, width]`, with the forward bits of candle's composed ops (scale, −∞ mask, max, exp, row sum,
+/// division) in one pass a row. Composed, they were seven `[heads, n, width]` tensors each way, and candle's backward
+/// allocates, zeroes and adds a gradient for every one of them: a third of a training step's elementwise work.
+pub fn masked_softmax(scores: &Tensor, head_dim: usize, seen: Seen) -> Result<Tensor> {
+    Ok(scores.contiguous()?.apply_op1(MaskedSoftmax { inv_scale: (1.0 / (head_dim as f64).sqrt()) as f32, seen })?)
+}
+
+struct MaskedSoftmax {
+    inv_scale: f32,
+    seen: Seen,
+}
+
+impl MaskedSoftmax {
+    /// The rows of a contiguous `[heads, n, width]` operand, with n and the width.
+    fn rows<'a>(&self, s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<(&'a [f32], usize, usize)> {
+        let &[_, n, width] = l.dims() else {
+            candle_core::bail!("masked softmax: {what} must be [heads, n, width], not {:?}", l.dims())
+        };
+        if width < self.seen.block || width == 0 {
+            candle_core::bail!("masked softmax: {what} {:?} narrower than the masked block of {}", l.dims(), self.seen.block);
+        }
+        Ok((f32_values(s, l, what)?, n, width))
+    }
+}
+
+impl CustomOp1 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (scores, n, width) = self.rows(s, l, "the scores")?;
+        let mut p = vec![0f32; scores.len()];
+        p.par_chunks_mut(width).zip(scores.par_chunks(width)).enumerate().for_each(|(r, (p, s))| {
+            let row = r % n;
+            let mut max = f32::NEG_INFINITY;
+            for (c, (p, &s)) in p.iter_mut().zip(s).enumerate() {
+                if !self.seen.hides(row, c) {
+                    *p = s * self.inv_scale;
+                    max = if max < *p { *p } else { max };
+                }
+            }
+            // Hidden columns stay 0, as exp(−∞ − max) made them: the row sum adds them where candle's did.
+            for (c, p) in p.iter_mut().enumerate() {
+                if !self.seen.hides(row, c) {
+                    *p -= max;
+                }
+            }
+            let (from, to) = (self.seen.in_block(row), self.seen.block);
+            exp_in_place(&mut p[..from]);
+            exp_in_place(&mut p[to..]);
+            let sum = row_sum(p);
+            p.iter_mut().for_each(|p| *p /= sum);
+        });
+        Ok((CpuStorage::F32(p), l.shape().clone()))
+    }
+
+    fn bwd(&self, _scores: &Tensor, p: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(p.apply_op2_no_bwd(&grad.contiguous()?, &MaskedSoftmaxGrad { inv_scale: self.inv_scale })?))
+    }
+}
+
+/// The gradient of `MaskedSoftmax` with respect to its scores, given its output p and its gradient g:
+/// p · (g − Σ p g) / √d a row (0 where p is: the hidden columns).
+struct MaskedSoftmaxGrad {
+    inv_scale: f32,
+}
+
+impl CustomOp2 for MaskedSoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "masked-softmax-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (p, g) = (f32_values(s1, l1, "masked softmax: its output")?, f32_values(s2, l2, "masked softmax: its gradient")?);
+        let width = l1.dims().last().copied().unwrap_or(0);
+        if p.len() != g.len() || width == 0 {
+            candle_core::bail!("masked softmax: output {:?} against a gradient {:?}", l1.dims(), l2.dims());
+        }
+        let mut out = vec![0f32; p.len()];
+        out.par_chunks_mut(width).zip(p.par_chunks(width)).zip(g.par_chunks(width)).for_each(|((out, p), g)| {
+            let dot: f32 = p.iter().zip(g).map(|(p, g)| p * g).sum();
+            out.iter_mut().zip(p).zip(g).for_each(|((o, &p), &g)| *o = p * (g - dot) * self.inv_scale);
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
 }
 
 /// `x` `[rows, k]` times the transpose of `w` `[n, k]`, where `w` is frozen (the target's LM head): the same product
@@ -263,7 +462,68 @@ impl CustomOp3 for SoftCrossEntropyGrad {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{Device, Var, D};
+
+    /// The masked softmax as candle's ops composed it before: scores / √d, plus a −∞ mask, candle-nn's softmax.
+    fn composed_masked_softmax(scores: &Tensor, head_dim: usize, seen: Seen) -> Tensor {
+        let (_, n, width) = scores.dims3().unwrap();
+        let mask: Vec<f32> = (0..n).flat_map(|i| (0..width).map(move |c| if seen.hides(i, c) { f32::NEG_INFINITY } else { 0.0 })).collect();
+        let scaled = (scores / (head_dim as f64).sqrt()).unwrap();
+        let masked = scaled.broadcast_add(&Tensor::from_vec(mask, (n, width), scores.device()).unwrap()).unwrap();
+        candle_nn::ops::softmax(&masked, D::Minus1).unwrap()
+    }
+
+    #[test]
+    fn the_fused_rms_norm_equals_candles_composed_ops_in_bits_and_gradient() {
+        // Rows of very different scales, more of them than a block of the weight's gradient sums.
+        let dev = Device::Cpu;
+        let (rows, h) = (ROWS_A_BLOCK + 7, 40);
+        let values: Vec<f32> = (0..rows * h).map(|i| ((i * 37 % 23) as f32 - 11.0) * [0.001, 0.7, 30.0][i / h % 3]).collect();
+        let weights = Tensor::from_vec((0..rows * h).map(|i| ((i * 7 % 5) as f32) - 2.0).collect::<Vec<f32>>(), (rows, h), &dev).unwrap();
+        let run = |fused: bool| {
+            let x = Var::from_vec(values.clone(), (rows, h), &dev).unwrap();
+            let w = Var::from_vec((0..h).map(|i| 0.5 + (i as f32 * 0.3).sin()).collect(), h, &dev).unwrap();
+            let y = if fused { rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap() } else { candle_nn::ops::rms_norm_slow(x.as_tensor(), w.as_tensor(), 1e-5).unwrap() };
+            let grads = y.mul(&weights).unwrap().sum_all().unwrap().backward().unwrap();
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (flat(&y), flat(grads.get(x.as_tensor()).unwrap()), flat(grads.get(w.as_tensor()).unwrap()))
+        };
+        let ((y, dx, dw), (composed_y, composed_dx, composed_dw)) = (run(true), run(false));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&y), bits(&composed_y));
+        for (fused, composed) in [(&dx, &composed_dx), (&dw, &composed_dw)] {
+            for (f, c) in fused.iter().zip(composed.iter()) {
+                assert!((f - c).abs() <= 1e-4 * c.abs().max(1.0), "{fused:?}\nagainst\n{composed:?}");
+            }
+            assert!(fused.iter().any(|g| g.abs() > 1e-2), "{fused:?}");
+        }
+    }
+
+    #[test]
+    fn the_masked_softmax_equals_candles_composed_ops_in_bits_and_gradient() {
+        // Causal attention from a start past 0, and the training-time test's second step: rows 0 and 1 see none of
+        // the block, only the two chain columns after it.
+        let dev = Device::Cpu;
+        for (n, width, seen) in [(5, 8, Seen { block: 8, offset: 4 }), (6, 8, Seen { block: 6, offset: -1 }), (1, 40, Seen { block: 40, offset: 40 })] {
+            let values: Vec<f32> = (0..3 * n * width).map(|i| ((i * 37 % 29) as f32 - 14.0) * [0.1, 1.5, 12.0][i % 3]).collect();
+            let weights = Tensor::from_vec((0..3 * n * width).map(|i| ((i * 7 % 5) as f32) - 2.0).collect::<Vec<f32>>(), (3, n, width), &dev).unwrap();
+            let run = |fused: bool| {
+                let x = Var::from_vec(values.clone(), (3, n, width), &dev).unwrap();
+                let p = if fused { masked_softmax(x.as_tensor(), 64, seen).unwrap() } else { composed_masked_softmax(x.as_tensor(), 64, seen) };
+                let grads = p.mul(&weights).unwrap().sum_all().unwrap().backward().unwrap();
+                let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                (flat(&p), flat(grads.get(x.as_tensor()).unwrap()))
+            };
+            let ((p, grad), (composed_p, composed_grad)) = (run(true), run(false));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p), bits(&composed_p), "{seen:?}");
+            for (f, c) in grad.iter().zip(&composed_grad) {
+                assert!((f - c).abs() < 1e-6, "{seen:?}: {grad:?}\nagainst\n{composed_grad:?}");
+            }
+            assert!(grad.iter().any(|g| g.abs() > 1e-3), "{grad:?}");
+            assert!((0..3 * n).all(|r| (0..width).all(|c| !seen.hides(r % n, c) || p[r * width + c] == 0.0)));
+        }
+    }
 
     #[test]
     fn the_fused_cross_entropy_equals_candles_ops_in_value_and_gradient() {
