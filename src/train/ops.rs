@@ -15,6 +15,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })?)
 }
 
+#[derive(Clone, Copy)]
 struct RmsNorm {
     eps: f32,
 }
@@ -55,7 +56,7 @@ impl CustomOp2 for RmsNorm {
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        let of = |input| x.apply_op3_no_bwd(w, &grad, &RmsNormGrad { norm: RmsNorm { eps: self.eps }, input });
+        let of = |input| x.apply_op3_no_bwd(w, &grad, &RmsNormGrad { norm: *self, input });
         Ok((Some(of(true)?), Some(of(false)?)))
     }
 }
@@ -111,7 +112,6 @@ impl CustomOp3 for RmsNormGrad {
         Ok((CpuStorage::F32(dw.unwrap_or_else(|| vec![0.0; h])), l2.shape().clone()))
     }
 }
-
 
 /// Rotate `x` `[heads, n, d]` (rotate-half pairs).
 pub fn rope(tables: &RopeTables, x: &Tensor) -> Result<Tensor> {
@@ -183,12 +183,9 @@ pub struct Seen {
 }
 
 impl Seen {
-    fn in_block(self, row: usize) -> usize {
-        (row as isize + self.offset).clamp(0, self.block as isize) as usize
-    }
-
-    fn hides(self, row: usize, column: usize) -> bool {
-        column >= self.in_block(row) && column < self.block
+    /// The columns row `row` sees: the first of the block's, and those after the block (of `width`).
+    fn columns(self, row: usize, width: usize) -> [std::ops::Range<usize>; 2] {
+        [0..(row as isize + self.offset).clamp(0, self.block as isize) as usize, self.block..width]
     }
 }
 
@@ -227,23 +224,20 @@ impl CustomOp1 for MaskedSoftmax {
         let (scores, n, width) = self.rows(s, l, "the scores")?;
         let mut p = vec![0f32; scores.len()];
         p.par_chunks_mut(width).zip(scores.par_chunks(width)).enumerate().for_each(|(r, (p, s))| {
-            let row = r % n;
+            let seen = self.seen.columns(r % n, width);
             let mut max = f32::NEG_INFINITY;
-            for (c, (p, &s)) in p.iter_mut().zip(s).enumerate() {
-                if !self.seen.hides(row, c) {
+            for columns in seen.clone() {
+                for (p, &s) in p[columns.clone()].iter_mut().zip(&s[columns]) {
                     *p = s * self.inv_scale;
                     max = if max < *p { *p } else { max };
                 }
             }
             // Hidden columns stay 0, as exp(−∞ − max) made them: the row sum adds them where candle's did.
-            for (c, p) in p.iter_mut().enumerate() {
-                if !self.seen.hides(row, c) {
-                    *p -= max;
-                }
+            for columns in seen {
+                let p = &mut p[columns];
+                p.iter_mut().for_each(|p| *p -= max);
+                exp_in_place(p);
             }
-            let (from, to) = (self.seen.in_block(row), self.seen.block);
-            exp_in_place(&mut p[..from]);
-            exp_in_place(&mut p[to..]);
             let sum = row_sum(p);
             p.iter_mut().for_each(|p| *p /= sum);
         });
@@ -464,10 +458,23 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var, D};
 
+    fn floats(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Whether `seen` hides column `column` from row `row`.
+    fn hides(seen: Seen, row: usize, column: usize) -> bool {
+        !seen.columns(row, column + 1).iter().any(|columns| columns.contains(&column))
+    }
+
     /// The masked softmax as candle's ops composed it before: scores / √d, plus a −∞ mask, candle-nn's softmax.
     fn composed_masked_softmax(scores: &Tensor, head_dim: usize, seen: Seen) -> Tensor {
         let (_, n, width) = scores.dims3().unwrap();
-        let mask: Vec<f32> = (0..n).flat_map(|i| (0..width).map(move |c| if seen.hides(i, c) { f32::NEG_INFINITY } else { 0.0 })).collect();
+        let mask: Vec<f32> = (0..n).flat_map(|i| (0..width).map(move |c| if hides(seen, i, c) { f32::NEG_INFINITY } else { 0.0 })).collect();
         let scaled = (scores / (head_dim as f64).sqrt()).unwrap();
         let masked = scaled.broadcast_add(&Tensor::from_vec(mask, (n, width), scores.device()).unwrap()).unwrap();
         candle_nn::ops::softmax(&masked, D::Minus1).unwrap()
@@ -485,11 +492,9 @@ mod tests {
             let w = Var::from_vec((0..h).map(|i| 0.5 + (i as f32 * 0.3).sin()).collect(), h, &dev).unwrap();
             let y = if fused { rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap() } else { candle_nn::ops::rms_norm_slow(x.as_tensor(), w.as_tensor(), 1e-5).unwrap() };
             let grads = y.mul(&weights).unwrap().sum_all().unwrap().backward().unwrap();
-            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            (flat(&y), flat(grads.get(x.as_tensor()).unwrap()), flat(grads.get(w.as_tensor()).unwrap()))
+            (floats(&y), floats(grads.get(x.as_tensor()).unwrap()), floats(grads.get(w.as_tensor()).unwrap()))
         };
         let ((y, dx, dw), (composed_y, composed_dx, composed_dw)) = (run(true), run(false));
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&y), bits(&composed_y));
         for (fused, composed) in [(&dx, &composed_dx), (&dw, &composed_dw)] {
             for (f, c) in fused.iter().zip(composed.iter()) {
@@ -511,17 +516,15 @@ mod tests {
                 let x = Var::from_vec(values.clone(), (3, n, width), &dev).unwrap();
                 let p = if fused { masked_softmax(x.as_tensor(), 64, seen).unwrap() } else { composed_masked_softmax(x.as_tensor(), 64, seen) };
                 let grads = p.mul(&weights).unwrap().sum_all().unwrap().backward().unwrap();
-                let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                (flat(&p), flat(grads.get(x.as_tensor()).unwrap()))
+                (floats(&p), floats(grads.get(x.as_tensor()).unwrap()))
             };
             let ((p, grad), (composed_p, composed_grad)) = (run(true), run(false));
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&p), bits(&composed_p), "{seen:?}");
             for (f, c) in grad.iter().zip(&composed_grad) {
                 assert!((f - c).abs() < 1e-6, "{seen:?}: {grad:?}\nagainst\n{composed_grad:?}");
             }
             assert!(grad.iter().any(|g| g.abs() > 1e-3), "{grad:?}");
-            assert!((0..3 * n).all(|r| (0..width).all(|c| !seen.hides(r % n, c) || p[r * width + c] == 0.0)));
+            assert!((0..3 * n).all(|r| (0..width).all(|c| !hides(seen, r % n, c) || p[r * width + c] == 0.0)));
         }
     }
 
@@ -566,9 +569,8 @@ mod tests {
             let p = log_p.exp().unwrap();
             let entropy = p.mul(&log_p).unwrap().sum(1).unwrap().neg().unwrap();
             let fused = distributions(&logits).unwrap();
-            let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&fused.p), bits(&p), "p at width {v}");
-            assert_eq!(bits(&fused.entropy), bits(&entropy), "entropy at width {v}");
+            assert_eq!(bits(&floats(&fused.p)), bits(&floats(&p)), "p at width {v}");
+            assert_eq!(bits(&floats(&fused.entropy)), bits(&floats(&entropy)), "entropy at width {v}");
             assert_eq!(fused.argmax.to_vec1::<u32>().unwrap(), p.argmax(1).unwrap().to_vec1::<u32>().unwrap(), "argmax at width {v}");
             assert!(fused.entropy.to_vec1::<f32>().unwrap().iter().all(|&h| h >= 0.0 && h.is_finite()));
         }
