@@ -31,7 +31,8 @@
 # on MT-Bench, 1.591; then one epoch over the first 8,800 (the 3,600 answers taken over, 5,200 more in ≈ 2,900 s
 # alone; 2,200 steps at ≈ 1.5 s), +0.060, 1.651; then one epoch over those 8,800 answers again and 2,800 requests the
 # target writes itself (Magpie, as EAGLE-1's first stage; 720 s of requests and 1,269 s of answers; 2,900 steps in
-# 4,120 s), +0.044, 1.695. Packed in Q8_0 (frspec pack-head).
+# 4,120 s), +0.044, 1.695; then one epoch over all those and EAGLE-1's Brown data (2,400 prompts answered in
+# 1,033 s, 1,500 continuations read in 562 s; 3,875 steps in 5,416 s), +0.090, 1.785. Packed in Q8_0 (frspec pack-head).
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
@@ -49,7 +50,7 @@ shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
 [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
-# EAGLE-1's recipe has four stages, EAGLE-3's five; each after the first starts from the head before with fresh
+# EAGLE-1's recipe has four stages, EAGLE-3's six; each after the first starts from the head before with fresh
 # optimizer moments and a schedule of its own (--init-from).
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
@@ -57,12 +58,14 @@ case $arch in
           second=(--prompts 0 --sharegpt 8800); second_name=sg8800-2ep-q8-fullvocab
           second_steps=4400; second_activations=q8
           # Two more epochs, one stage each, with the training-time test.
-          later=(--prompts 0 --unroll 2); later_names=(tt2-1ep tt2-2ep); later_requests=(8800 8800); later_self_prompts=(0 0) ;;
+          later=(--unroll 2); later_names=(tt2-1ep tt2-2ep); later_requests=(8800 8800); later_self_prompts=(0 0)
+          later_prompts=(0 0); later_continuations=(0 0) ;;
   eagle3) run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
           recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400
           second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200
-          later=(--arch eagle3 --draft-vocab 8192 --prompts 0 --unroll 2); later_names=(sg3600-q8 sg8800-q8 sg8800-sp2800-q8)
-          later_requests=(3600 8800 8800); later_self_prompts=(0 0 2800) ;;
+          later=(--arch eagle3 --draft-vocab 8192 --unroll 2); later_names=(sg3600-q8 sg8800-q8 sg8800-sp2800-q8 p2400-c1500-q8)
+          later_requests=(3600 8800 8800 8800); later_self_prompts=(0 0 2800 2800)
+          later_prompts=(0 0 0 2400); later_continuations=(0 0 0 1500) ;;
 esac
 start=$(date +%s)
 train() {
@@ -77,13 +80,15 @@ FRSPEC_ACTIVATIONS=$second_activations train --out "$run" --lr 3e-4 --warmup 20 
 # are its requests made so; EAGLE-3's first later stage makes its own (more requests; its stages before had f32).
 for i in "${!later_names[@]}"; do
   name=${later_names[$i]} requests=${later_requests[$i]} self_prompts=${later_self_prompts[$i]}
+  prompts=${later_prompts[$i]} continuations=${later_continuations[$i]}
   previous=$run
   run=$previous-$name
   teacher=(--teacher-from "$previous")
   if [ "$arch" = eagle3 ] && [ "$previous" = "$first-$second_name" ]; then teacher=(); fi
   # One epoch over the stage's conversations, four a step.
-  FRSPEC_ACTIVATIONS=q8 train --out "$run" --lr 3e-4 --warmup 20 --steps $(((requests + self_prompts) / 4)) --sharegpt "$requests" \
-    --self-prompts "$self_prompts" "${later[@]}" --init-from "$previous" "${teacher[@]}"
+  FRSPEC_ACTIVATIONS=q8 train --out "$run" --lr 3e-4 --warmup 20 --steps $(((prompts + continuations + requests + self_prompts) / 4)) \
+    --prompts "$prompts" --continuations "$continuations" --sharegpt "$requests" --self-prompts "$self_prompts" "${later[@]}" \
+    --init-from "$previous" "${teacher[@]}"
 done
 echo "recipe wall time: $(( $(date +%s) - start )) s"
 head=heads/smollm2-135m-$arch
