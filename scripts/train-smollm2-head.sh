@@ -42,7 +42,7 @@ cd "$(dirname "$0")/.."
 # with the 8-bit activations (q8: its answers in 0.73x the time, no loss measured).
 export FRSPEC_ACTIVATIONS=kquants
 second_activations=kquants
-later_names=()
+later_stages=()
 arch=eagle1
 if [ "${1:-}" = eagle1 ] || [ "${1:-}" = eagle3 ]; then arch=$1; shift; fi
 frspec=${1:-$(scripts/frspec-bin.sh)}
@@ -58,14 +58,12 @@ case $arch in
           second=(--prompts 0 --sharegpt 8800); second_name=sg8800-2ep-q8-fullvocab
           second_steps=4400; second_activations=q8
           # Two more epochs, one stage each, with the training-time test.
-          later=(--unroll 2); later_names=(tt2-1ep tt2-2ep); later_requests=(8800 8800); later_self_prompts=(0 0)
-          later_prompts=(0 0); later_continuations=(0 0) ;;
+          later=(--unroll 2); later_stages=("tt2-1ep 0 0 8800 0" "tt2-2ep 0 0 8800 0") ;;
   eagle3) run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
           recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400
           second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200
-          later=(--arch eagle3 --draft-vocab 8192 --unroll 2); later_names=(sg3600-q8 sg8800-q8 sg8800-sp2800-q8 p2400-c1500-q8)
-          later_requests=(3600 8800 8800 8800); later_self_prompts=(0 0 2800 2800)
-          later_prompts=(0 0 0 2400); later_continuations=(0 0 0 1500) ;;
+          later=(--arch eagle3 --draft-vocab 8192 --unroll 2)
+          later_stages=("sg3600-q8 0 0 3600 0" "sg8800-q8 0 0 8800 0" "sg8800-sp2800-q8 0 0 8800 2800" "p2400-c1500-q8 2400 1500 8800 2800") ;;
 esac
 start=$(date +%s)
 train() {
@@ -78,9 +76,9 @@ run=$first-$second_name
 FRSPEC_ACTIVATIONS=$second_activations train --out "$run" --lr 3e-4 --warmup 20 --steps "$second_steps" "${second[@]}" --init-from "$first"
 # Later stages answer with 8-bit activations. Each takes over the stage before's answers (--teacher-from) where they
 # are its requests made so; EAGLE-3's first later stage makes its own (more requests; its stages before had f32).
-for i in "${!later_names[@]}"; do
-  name=${later_names[$i]} requests=${later_requests[$i]} self_prompts=${later_self_prompts[$i]}
-  prompts=${later_prompts[$i]} continuations=${later_continuations[$i]}
+# A later stage: its name, then its Brown prompts, continuations, ShareGPT requests and self-prompted requests.
+for stage in "${later_stages[@]}"; do
+  read -r name prompts continuations requests self_prompts <<< "$stage"
   previous=$run
   run=$previous-$name
   teacher=(--teacher-from "$previous")
