@@ -261,6 +261,11 @@ pub enum Command {
         /// order), answered by the target, mixed into the training data.
         #[arg(long, default_value_t = 0)]
         sharegpt: usize,
+        /// Conversations continued by ShareGPT users' later requests, each with the turns before it as ShareGPT
+        /// recorded them (the first distinct ones whose chat is at most 512 tokens, in file order), answered by the
+        /// target, mixed into the training data.
+        #[arg(long, default_value_t = 0)]
+        sharegpt_follow_ups: usize,
         /// The ShareGPT file (a JSON list of conversations; a file cut off mid-record gives its complete ones); the
         /// named asset sharegpt (scripts/fetch-assets.sh sharegpt) when absent.
         #[arg(long)]

@@ -111,7 +111,7 @@ fn run(cli: Cli) -> Result<()> {
             print_sweep(&settings, &outcome, &format!("{} units joined from {} shards", outcome.units_resumed, shards.len()), &out);
         }
         Command::TrainEagle {
-            target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, unroll, unroll_decay, classification_weight, feature_weight, arch, draft_vocab, teacher_from, init_from, freq, ratio, keep, device, quiet,
+            target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_follow_ups, sharegpt_file, max_new_tokens, steps, batch, lr, warmup, weight_decay, checkpoint_every, seed, unroll, unroll_decay, classification_weight, feature_weight, arch, draft_vocab, teacher_from, init_from, freq, ratio, keep, device, quiet,
         } => {
             if device != "cpu" {
                 bail!("--device {device}: this build trains on the CPU only (use --device cpu)");
@@ -141,7 +141,7 @@ fn run(cli: Cli) -> Result<()> {
                 draft_vocab: draft_vocab.unwrap_or(0),
             };
             let options = frspec::train::TrainOptions {
-                target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_file, max_new_tokens, settings, teacher_from, init_from, freq, keep,
+                target, out, corpus, format, prompts, templates, continuations, self_prompts, sharegpt, sharegpt_follow_ups, sharegpt_file, max_new_tokens, settings, teacher_from, init_from, freq, keep,
                 quiet,
             };
             if let Some(t) = frspec::train::train_eagle(&options)? {

@@ -415,6 +415,9 @@ fn teacher_data_is_reused_part_by_part() {
     let bytes = |p: std::path::PathBuf| std::fs::read(p).unwrap();
     for same in ["continuations.safetensors", "self-prompts.json", "self-prompts.safetensors"] {
         assert_eq!(bytes(second.join(same)), bytes(first.join(same)), "{same}");
+        // Taken whole, a file is linked, not copied (the two folders are on one file system).
+        let inode = |p: std::path::PathBuf| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+        assert_eq!(inode(second.join(same)), inode(first.join(same)), "{same}");
     }
     assert_ne!(bytes(second.join("teacher.safetensors")), bytes(first.join("teacher.safetensors")));
     let requests: Vec<String> = serde_json::from_slice(&bytes(first.join("self-prompts.json"))).unwrap();
@@ -648,7 +651,7 @@ fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
     let (done, first) = run("first", "2", &["--sharegpt-file", f], &[]);
     let said = String::from_utf8_lossy(&done.stderr);
     assert!(done.status.success(), "{said}");
-    assert!(said.contains("4 complete conversations before a record cut off after") && said.contains("3 opened by a person; answering the first 2 distinct requests"), "{said}");
+    assert!(said.contains("4 complete conversations before a record cut off after") && said.contains("3 opened by a person; answering the first 2 distinct opening requests and 0 later ones"), "{said}");
     let target = frspec::loading::target::Target::load(m).unwrap();
     let convs = frspec::train::load_teacher(&first.join("sharegpt.safetensors"), target.model.config.hidden).unwrap();
     for (conv, request) in convs.iter().zip(["Write a haiku.", "Name three rivers."]) {
@@ -684,6 +687,64 @@ fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
     failed("malformed", "1", &["--sharegpt-file", f], &[], &["sharegpt.json: record 2 (at byte", "not a ShareGPT conversation", "missing field `value`"]);
     let empty_cache = tempfile::tempdir().unwrap();
     failed("no-asset", "1", &[], &[("FRSPEC_CACHE", empty_cache.path())], &["ShareGPT V3 conversations is not at", "scripts/fetch-assets.sh sharegpt"]);
+}
+
+#[test]
+fn sharegpt_later_requests_are_answered_with_the_turns_before_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, "the river town council voted to build a new bridge over quiet water\n").unwrap();
+    let sharegpt = dir.path().join("sharegpt.json");
+    let turn = |from: &str, value: &str| format!(r#"{{"from": "{from}", "value": "{value}"}}"#);
+    let record = |id: &str, turns: &[String]| format!(r#"{{"id": "{id}", "conversations": [{}]}}"#, turns.join(", "));
+    // Later requests: a's two, then b's one (the same words as a's first, after another exchange); none from c, which
+    // the model opens; none from d, whose conversation is longer than 512 tokens before its first later request.
+    let long: Vec<String> = (0..600).map(|i| format!("w{i}")).collect();
+    let records = [
+        record("a", &[turn("human", "Write a haiku."), turn("gpt", "Rain."), turn("human", "Another one."), turn("gpt", "Snow."), turn("human", " Shorter. ")]),
+        record("b", &[turn("human", "Name three rivers."), turn("gpt", "Nile, Po, Rhine."), turn("human", "Another one.")]),
+        record("c", &[turn("gpt", "Hello!"), turn("human", "Hi."), turn("gpt", "Hi!"), turn("human", "Bye.")]),
+        record("d", &[turn("human", "Read this."), turn("gpt", &long.join(" ")), turn("human", "Summarise it.")]),
+    ];
+    std::fs::write(&sharegpt, format!("[\n{}\n]", records.join(",\n"))).unwrap();
+    let model = synthetic_dir();
+    let (m, c, f) = (model.path().to_str().unwrap(), corpus.to_str().unwrap(), sharegpt.to_str().unwrap());
+    let run = |out: &str, openings: &str, later: &str, extra: &[&str]| {
+        let out = dir.path().join(out);
+        let mut cmd = frspec();
+        cmd.args(["train-eagle", "--target", m, "--corpus", c, "--out", out.to_str().unwrap(), "--prompts", "0", "--sharegpt-file", f]);
+        cmd.args(["--sharegpt", openings, "--sharegpt-follow-ups", later, "--batch", "1", "--max-new-tokens", "6", "--steps", "1"]).args(extra);
+        (cmd.output().unwrap(), out)
+    };
+    let (done, all) = run("all", "1", "3", &[]);
+    let said = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success() && said.contains("answering the first 1 distinct opening requests and 3 later ones"), "{said}");
+    let target = frspec::loading::target::Target::load(m).unwrap();
+    let message = |role: &str, text: &str| frspec::text::chat::Message::new(role, text);
+    let chats = [
+        vec![message("user", "Write a haiku."), message("assistant", "Rain."), message("user", "Another one.")],
+        vec![message("user", "Write a haiku."), message("assistant", "Rain."), message("user", "Another one."), message("assistant", "Snow."), message("user", "Shorter.")],
+        vec![message("user", "Name three rivers."), message("assistant", "Nile, Po, Rhine."), message("user", "Another one.")],
+    ];
+    let convs = frspec::train::load_teacher(&all.join("sharegpt-follow-ups.safetensors"), target.model.config.hidden).unwrap();
+    assert_eq!(convs.len(), 3);
+    for (conv, chat) in convs.iter().zip(&chats) {
+        assert_eq!(conv.tokens[..conv.prompt_len], target.tokenizer.chat_prompt(chat).unwrap()[..], "{chat:?}");
+        assert!(conv.tokens.len() > conv.prompt_len);
+    }
+    assert_eq!(frspec::train::load_teacher(&all.join("sharegpt.safetensors"), target.model.config.hidden).unwrap().len(), 1);
+    // Later requests alone, from nothing or the first of the larger folder's: the same bytes.
+    let (done, alone) = run("alone", "0", "2", &[]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert!(!alone.join("sharegpt.safetensors").exists());
+    let (done, taken) = run("taken", "0", "2", &["--teacher-from", all.to_str().unwrap()]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert_eq!(std::fs::read(taken.join("sharegpt-follow-ups.safetensors")).unwrap(), std::fs::read(alone.join("sharegpt-follow-ups.safetensors")).unwrap());
+
+    let (done, more) = run("more", "0", "4", &[]);
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.code() == Some(1) && err.contains("sharegpt.json: the ShareGPT file holds only 3 distinct later requests whose conversation so far is at most 512 tokens, not 4"), "{err}");
+    assert!(!more.exists(), "no partial output");
 }
 
 #[test]

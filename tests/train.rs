@@ -234,7 +234,7 @@ fn an_eagle3_head_learns_and_runs_in_the_engine_as_it_trained() {
 
 #[test]
 fn the_draft_vocabulary_is_the_answers_most_frequent_ids_in_id_order() {
-    let conv = |tokens: Vec<u32>, prompt_len| Conversation { tokens, prompt_len, features: Vec::new(), layers: Vec::new() };
+    let conv = |tokens: Vec<u32>, prompt_len| Conversation { tokens, prompt_len, features: Default::default(), layers: Default::default() };
     // Answers 5 5 7 and 7 7 2: 7 three times, 5 twice, 2 once; the prompts' 9s and 1 do not count.
     let data = [conv(vec![9, 9, 9, 5, 5, 7], 3), conv(vec![1, 7, 7, 2], 1)];
     let ids = |size| train::draft_vocabulary(&data, size, 10).unwrap().ids;
@@ -313,11 +313,19 @@ fn teacher_data_reads_back_as_saved_and_a_damaged_file_is_one_error_naming_it() 
     assert!(data.iter().all(|c| !c.layers.is_empty()));
     assert_eq!(train::load_teacher(&path, 64).unwrap(), data);
     // EAGLE-1 data has no streams, and the file then holds no layers tensor.
-    let eagle1: Vec<Conversation> = data.iter().map(|c| Conversation { layers: Vec::new(), ..c.clone() }).collect();
+    let eagle1: Vec<Conversation> = data.iter().map(|c| Conversation { layers: Default::default(), ..c.clone() }).collect();
     train::save_teacher(&path, &eagle1, 64).unwrap();
     assert_eq!(train::load_teacher(&path, 64).unwrap(), eagle1);
     let saved = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
     assert!(!saved.contains_key("layers"));
+    // Loaded data is read in place from the file, and stays readable when the file is saved over (as a run caching
+    // a part it completed does).
+    train::save_teacher(&path, &data, 64).unwrap();
+    let loaded = train::load_teacher(&path, 64).unwrap();
+    assert!(loaded.iter().all(|c| matches!((&c.features, &c.layers), (train::Halves::Mapped { .. }, train::Halves::Mapped { .. }))));
+    train::save_teacher(&path, &loaded[1..], 64).unwrap();
+    assert_eq!(loaded, data);
+    assert_eq!(train::load_teacher(&path, 64).unwrap(), data[1..]);
 
     let damaged = |change: &dyn Fn(&mut std::collections::HashMap<String, candle_core::Tensor>), hidden: usize| {
         let mut tensors = saved.clone();

@@ -25,6 +25,13 @@ impl Conversation {
     pub fn first_human_turn(&self) -> Option<&str> {
         self.conversations.first().filter(|t| t.from == "human").map(|t| t.value.as_str())
     }
+
+    /// Each later request of a person with the turns before it (`conversations[..=i]` for every person's turn i
+    /// after the opening one), as far as the turns alternate person, assistant from a person's opening turn.
+    pub fn follow_ups(&self) -> impl Iterator<Item = &[Turn]> {
+        let alternating = self.conversations.iter().enumerate().take_while(|(i, t)| t.from == if i % 2 == 0 { "human" } else { "gpt" }).count();
+        (2..alternating).step_by(2).map(|i| &self.conversations[..=i])
+    }
 }
 
 /// The complete records of a ShareGPT file.
@@ -103,6 +110,25 @@ mod tests {
             let read = parse(between.as_bytes()).unwrap();
             assert_eq!((read.conversations.len(), read.cut_bytes), (3, Some(0)));
         }
+    }
+
+    #[test]
+    fn later_requests_come_with_the_turns_before_them_while_the_turns_alternate() {
+        let turn = |from: &str, value: &str| Turn { from: from.into(), value: value.into() };
+        let conversation = |turns: Vec<Turn>| Conversation { id: "x".into(), conversations: turns };
+        fn follow_ups(c: &Conversation) -> Vec<Vec<&str>> {
+            c.follow_ups().map(|turns| turns.iter().map(|t| t.value.as_str()).collect()).collect()
+        }
+        let five = conversation(vec![turn("human", "q1"), turn("gpt", "a1"), turn("human", "q2"), turn("gpt", "a2"), turn("human", "q3")]);
+        assert_eq!(follow_ups(&five), [vec!["q1", "a1", "q2"], vec!["q1", "a1", "q2", "a2", "q3"]]);
+        // Two person's turns in a row end what is taken; so does another speaker.
+        let broken = conversation(vec![turn("human", "q1"), turn("gpt", "a1"), turn("human", "q2"), turn("human", "q2'"), turn("gpt", "a2"), turn("human", "q3")]);
+        assert_eq!(follow_ups(&broken), [vec!["q1", "a1", "q2"]]);
+        let system = conversation(vec![turn("human", "q1"), turn("system", "s"), turn("human", "q2")]);
+        assert!(follow_ups(&system).is_empty());
+        // Opened by the assistant, or a single exchange: none.
+        assert!(follow_ups(&conversation(vec![turn("gpt", "hi"), turn("human", "q1"), turn("gpt", "a1"), turn("human", "q2")])).is_empty());
+        assert!(follow_ups(&conversation(vec![turn("human", "q1"), turn("gpt", "a1")])).is_empty());
     }
 
     #[test]

@@ -136,6 +136,36 @@ pub fn sharegpt_prompts(conversations: &[crate::text::sharegpt::Conversation], c
     Ok(out)
 }
 
+/// The first `count` distinct later requests of ShareGPT conversations, each with the turns before it as ShareGPT
+/// recorded them (the assistant's answers are not the target's), in file order, whose chat prompt is at most
+/// `max_tokens` tokens. A conversation's requests are taken in turn until the first whose chat is longer: the later
+/// ones only add to it. Prefix-stable like `sharegpt_prompts`.
+pub fn sharegpt_follow_ups(conversations: &[crate::text::sharegpt::Conversation], count: usize, tok: &crate::text::tokenizer::Tokenizer, max_tokens: usize) -> Result<Vec<Vec<Message>>> {
+    let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
+    'conversations: for conversation in conversations {
+        for turns in conversation.follow_ups() {
+            if out.len() == count {
+                break 'conversations;
+            }
+            let chat: Vec<Message> = turns.iter().map(|t| Message::new(if t.from == "human" { "user" } else { "assistant" }, t.value.trim())).collect();
+            if chat.last().is_some_and(|request| request.content.is_empty()) {
+                continue;
+            }
+            let prompt = tok.chat_prompt(&chat)?;
+            if prompt.len() > max_tokens {
+                break;
+            }
+            if seen.insert(prompt) {
+                out.push(chat);
+            }
+        }
+    }
+    if out.len() < count {
+        bail!("the ShareGPT file holds only {} distinct later requests whose conversation so far is at most {max_tokens} tokens, not {count}", out.len());
+    }
+    Ok(out)
+}
+
 /// 0..n in a seeded random order (Fisher–Yates).
 fn shuffled(n: usize, rng: &mut ChaCha20Rng) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
@@ -166,10 +196,55 @@ pub struct Conversation {
     /// Post-norm target features of every token but the last, `[tokens.len() - 1, hidden]`. Held in f16, the
     /// precision they are stored and trained with, since f32 would double a run's memory: EAGLE-3's streams of
     /// 8,800 ShareGPT answers are ≈ 9.6 GB in f16, too much for a 24 GB machine in f32.
-    pub features: Vec<f16>,
+    pub features: Halves,
     /// The residual streams entering the target layers an EAGLE-3 head reads, at the same positions,
     /// `[tokens.len() - 1, layers · hidden]`; empty when none were captured (EAGLE-1).
-    pub layers: Vec<f16>,
+    pub layers: Halves,
+}
+
+/// f16 values made in memory, or read in place from a mapped teacher-data file. Loaded teacher data stays in the
+/// file, not in memory: a run's data (16 GB for the EAGLE-3 head's sixth stage) then takes page cache the kernel can
+/// give back, so a run may hold more than the machine's memory, and a step reads only its batch (a few MB).
+#[derive(Clone)]
+pub enum Halves {
+    Owned(Vec<f16>),
+    /// `len` values from byte `start` of a mapping whose f16 data `load_teacher` checked to be aligned.
+    Mapped { file: std::sync::Arc<memmap2::Mmap>, start: usize, len: usize },
+}
+
+impl std::ops::Deref for Halves {
+    type Target = [f16];
+
+    fn deref(&self) -> &[f16] {
+        match self {
+            Halves::Owned(v) => v,
+            Halves::Mapped { file, start, len } => bytemuck::cast_slice(&file[*start..*start + 2 * len]),
+        }
+    }
+}
+
+impl From<Vec<f16>> for Halves {
+    fn from(v: Vec<f16>) -> Halves {
+        Halves::Owned(v)
+    }
+}
+
+impl Default for Halves {
+    fn default() -> Halves {
+        Halves::Owned(Vec::new())
+    }
+}
+
+impl PartialEq for Halves {
+    fn eq(&self, other: &Halves) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Halves {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} f16 values", self.len())
+    }
 }
 
 impl Conversation {
@@ -186,8 +261,8 @@ fn widened(x: &[f16]) -> Vec<f32> {
     x.iter().map(|x| x.to_f32()).collect()
 }
 
-fn narrowed(x: &[f32]) -> Vec<f16> {
-    x.iter().map(|&x| f16::from_f32(x)).collect()
+fn narrowed(x: &[f32]) -> Halves {
+    Halves::Owned(x.iter().map(|&x| f16::from_f32(x)).collect())
 }
 
 /// Magpie's sampling (Xu et al. 2024): temperature 1 over the whole vocabulary, so requests are as varied as what
@@ -234,10 +309,16 @@ const ANSWER_BATCH: usize = 16;
 
 /// Let the target answer every prompt greedily, keeping its features and the inputs of the `capture` layers.
 pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, capture: &[usize], on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
+    let chats: Vec<Vec<Message>> = prompts.iter().map(|p| vec![Message::new("user", p)]).collect();
+    chat_answers(target, &chats, max_new_tokens, capture, on_done)
+}
+
+/// `teacher_data` for chats of several turns, each ending with the request the target answers.
+pub fn chat_answers(target: &Target, chats: &[Vec<Message>], max_new_tokens: usize, capture: &[usize], on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
     let tok = &target.tokenizer;
-    let mut out = Vec::with_capacity(prompts.len());
-    for batch in prompts.chunks(ANSWER_BATCH) {
-        let chats = batch.iter().map(|p| tok.chat_prompt(&[Message::new("user", p)])).collect::<Result<Vec<_>>>()?;
+    let mut out = Vec::with_capacity(chats.len());
+    for batch in chats.chunks(ANSWER_BATCH) {
+        let chats = batch.iter().map(|chat| tok.chat_prompt(chat)).collect::<Result<Vec<_>>>()?;
         for (c, prompt) in crate::speculative::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, capture)?.into_iter().zip(&chats) {
             let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features: narrowed(&c.features.hidden), layers: narrowed(&c.features.layers) };
             on_done(&conv);
@@ -346,7 +427,7 @@ pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     // SAFETY: the file is only read while mapped, and teacher data is written whole to a new file and renamed over
     // an old one (`saved_whole`), never changed in place.
-    let bytes = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot read {}", path.display()))?);
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", path.display()))?;
     let damaged = |what: String| anyhow!("{}: {what}: the teacher data is damaged", path.display());
     let tensor = |name: &str, dtype: safetensors::Dtype, dims: usize| -> Result<Option<safetensors::tensor::TensorView>> {
@@ -377,9 +458,16 @@ pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
     if let Some(t) = tokens.iter().find(|&&t| u32::try_from(t).is_err()) {
         return Err(damaged(format!("token {t}")));
     }
-    let halves = |t: &safetensors::tensor::TensorView, rows: std::ops::Range<usize>| -> Vec<f16> {
+    // In place where the file's f16 data lies aligned in a little-endian machine's memory (safetensors aligns each
+    // tensor's data to its element size), else copied out.
+    let halves = |t: &safetensors::tensor::TensorView, rows: std::ops::Range<usize>| -> Halves {
         let width = 2 * t.shape()[1];
-        t.data()[rows.start * width..rows.end * width].chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect()
+        let data = &t.data()[rows.start * width..rows.end * width];
+        if cfg!(target_endian = "little") && bytemuck::try_cast_slice::<u8, f16>(data).is_ok() {
+            let start = data.as_ptr() as usize - bytes.as_ptr() as usize;
+            return Halves::Mapped { file: bytes.clone(), start, len: data.len() / 2 };
+        }
+        Halves::Owned(data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect())
     };
     let mut out = Vec::with_capacity(prompt_lens.len());
     let mut row = 0;

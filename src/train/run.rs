@@ -3,10 +3,11 @@
 //! at the end, the head itself (config.json + model.safetensors), which the engine's EAGLE-1 or EAGLE-3 loader reads.
 
 use super::{
-    checkpoint_due, continuations, draft_vocabulary, export, forced, load_teacher, prompts, save_teacher, self_prompts, sharegpt_prompts, teacher_data, teacher_forced,
+    chat_answers, checkpoint_due, continuations, draft_vocabulary, export, forced, load_teacher, prompts, save_teacher, self_prompts, sharegpt_follow_ups, sharegpt_prompts, teacher_data, teacher_forced,
     Arch, Conversation, Head, KeepSet, State, StepLog, TrainSettings, Trainer, SHAREGPT_MAX_PROMPT_TOKENS,
 };
 use crate::loading::target::Target;
+use crate::text::chat::Message;
 use crate::vocab::{CorpusFormat, Frequencies, KeepRule};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::Write;
@@ -28,6 +29,9 @@ pub struct TrainOptions {
     pub self_prompts: usize,
     /// Conversations opened by the requests of ShareGPT's users, answered by the target (0: none).
     pub sharegpt: usize,
+    /// Conversations continued by ShareGPT users' later requests, with the turns before them, answered by the target
+    /// (0: none).
+    pub sharegpt_follow_ups: usize,
     /// The ShareGPT file; the named asset `sharegpt` when absent.
     pub sharegpt_file: Option<PathBuf>,
     pub max_new_tokens: usize,
@@ -98,28 +102,39 @@ const CONTINUATIONS_FILE: &str = "continuations.safetensors";
 const REQUESTS_FILE: &str = "self-prompts.json";
 const SELF_PROMPTED_FILE: &str = "self-prompts.safetensors";
 const SHAREGPT_FILE: &str = "sharegpt.safetensors";
+const SHAREGPT_FOLLOW_UPS_FILE: &str = "sharegpt-follow-ups.safetensors";
 /// Where a part's identity names the target layers it captured; absent when none (EAGLE-1).
 const LAYERS_KEY: &str = "layers";
 
 /// The ShareGPT requests this run answers, and the file they come from.
-fn sharegpt_requests(o: &TrainOptions, target: &Target) -> Result<(Vec<String>, PathBuf)> {
+struct ShareGptRequests {
+    openings: Vec<String>,
+    /// Later requests, each with the turns before it.
+    follow_ups: Vec<Vec<Message>>,
+    file: PathBuf,
+}
+
+fn sharegpt_requests(o: &TrainOptions, target: &Target) -> Result<ShareGptRequests> {
     let path = match &o.sharegpt_file {
         Some(p) => p.clone(),
         None => crate::loading::assets::require("sharegpt")?,
     };
     let file = crate::text::sharegpt::read(&path)?;
-    let requests = sharegpt_prompts(&file.conversations, o.sharegpt, &target.tokenizer, SHAREGPT_MAX_PROMPT_TOKENS).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let in_file = |e: anyhow::Error| anyhow!("{}: {e}", path.display());
+    let openings = sharegpt_prompts(&file.conversations, o.sharegpt, &target.tokenizer, SHAREGPT_MAX_PROMPT_TOKENS).map_err(in_file)?;
+    let follow_ups = sharegpt_follow_ups(&file.conversations, o.sharegpt_follow_ups, &target.tokenizer, SHAREGPT_MAX_PROMPT_TOKENS).map_err(in_file)?;
     if !o.quiet {
         let opened = file.conversations.iter().filter(|c| c.first_human_turn().is_some()).count();
         let cut = file.cut_bytes.map(|n| format!(" before a record cut off after {n} bytes (ignored)")).unwrap_or_default();
         eprintln!(
-            "{}: {} complete conversations{cut}, {opened} opened by a person; answering the first {} distinct requests of at most {SHAREGPT_MAX_PROMPT_TOKENS} tokens",
+            "{}: {} complete conversations{cut}, {opened} opened by a person; answering the first {} distinct opening requests and {} later ones, each chat of at most {SHAREGPT_MAX_PROMPT_TOKENS} tokens",
             path.display(),
             file.conversations.len(),
-            requests.len()
+            openings.len(),
+            follow_ups.len()
         );
     }
-    Ok((requests, path))
+    Ok(ShareGptRequests { openings, follow_ups, file: path })
 }
 
 fn read_requests(path: &Path) -> Result<Vec<String>> {
@@ -225,10 +240,14 @@ fn taken(ours: &serde_json::Value, theirs: &serde_json::Value, count_key: &str, 
     (same_count == *ours && (available >= n || (grows && available > 0))).then_some((available > n).then_some(n as usize))
 }
 
-/// Copy a teacher-data file of another run, or only its first `take` conversations (requests).
+/// Take a teacher-data file of another run, or only its first `take` conversations (requests). A whole file is
+/// linked where the file system allows, else copied: teacher data is only ever written whole to a new file and
+/// renamed into place, never changed in place, so two runs can share it (EAGLE-3's later stages share 16 GB).
 fn take_over(from: &Path, to: &Path, take: Option<usize>, hidden: usize) -> Result<()> {
     let Some(n) = take else {
-        std::fs::copy(from, to).with_context(|| format!("cannot copy {}", from.display()))?;
+        if std::fs::hard_link(from, to).is_err() {
+            std::fs::copy(from, to).with_context(|| format!("cannot copy {}", from.display()))?;
+        }
         return Ok(());
     };
     let short = || anyhow!("{} holds fewer than the {n} its run.json promises: it is damaged", from.display());
@@ -268,14 +287,15 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     if s.batch == 0 || o.max_new_tokens == 0 || s.checkpoint_every == 0 {
         bail!("--batch, --max-new-tokens and --checkpoint-every must be at least 1");
     }
-    if s.batch > o.prompts + o.continuations + o.self_prompts + o.sharegpt {
+    if s.batch > o.prompts + o.continuations + o.self_prompts + o.sharegpt + o.sharegpt_follow_ups {
         bail!(
-            "--batch {} is larger than --prompts {}, --continuations {}, --self-prompts {} and --sharegpt {} together",
+            "--batch {} is larger than --prompts {}, --continuations {}, --self-prompts {}, --sharegpt {} and --sharegpt-follow-ups {} together",
             s.batch,
             o.prompts,
             o.continuations,
             o.self_prompts,
-            o.sharegpt
+            o.sharegpt,
+            o.sharegpt_follow_ups
         );
     }
     let numbers = [("--lr", s.lr), ("--weight-decay", s.weight_decay), ("--classification-weight", s.classification_weight), ("--feature-weight", s.feature_weight), ("--unroll-decay", s.unroll_decay)];
@@ -318,7 +338,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         (Some(rule), Some(f)) => Some(Frequencies::load(f)?.keep_set(*rule, target.model.config.vocab, &target.tokenizer.stop_ids)?),
         _ => bail!("training against a pruned vocabulary needs both --freq and --ratio/--keep"),
     };
-    let sharegpt = if o.sharegpt > 0 { Some(sharegpt_requests(o, &target)?) } else { None };
+    let sharegpt = if o.sharegpt + o.sharegpt_follow_ups > 0 { Some(sharegpt_requests(o, &target)?) } else { None };
     let vocab = target.model.config.vocab;
     let init = o.init_from.as_deref().map(Head::load).transpose()?;
     let draft_vocab = match init.as_ref().and_then(|h| h.d2t.as_ref()) {
@@ -383,19 +403,24 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     if o.self_prompts > 0 {
         identity["self_prompts"] = self_prompt_identity;
     }
-    if let Some((_, file)) = &sharegpt {
-        identity["sharegpt"] = serde_json::json!({
-            "target_sha256": data_identity["target_sha256"],
-            "file_sha256": crate::outputs::manifest::sha256(file)?,
-            "count": o.sharegpt,
-            "max_prompt_tokens": SHAREGPT_MAX_PROMPT_TOKENS,
-            "max_new_tokens": o.max_new_tokens,
-        });
+    if let Some(requests) = &sharegpt {
+        let file_sha256 = crate::outputs::manifest::sha256(&requests.file)?;
+        for (part, count) in [("sharegpt", o.sharegpt), ("sharegpt_follow_ups", o.sharegpt_follow_ups)] {
+            if count > 0 {
+                identity[part] = serde_json::json!({
+                    "target_sha256": data_identity["target_sha256"],
+                    "file_sha256": file_sha256,
+                    "count": count,
+                    "max_prompt_tokens": SHAREGPT_MAX_PROMPT_TOKENS,
+                    "max_new_tokens": o.max_new_tokens,
+                });
+            }
+        }
     }
     // The target's arithmetic makes its answers and features: data made with 8-bit activations is not the data made
     // with f32 ones. Absent for the mode every folder before this key was made in, so those folders resume.
     let activations = crate::engine::cpu::tensor::Activations::get();
-    for part in ["data", "continuations", "self_prompts", "sharegpt"] {
+    for part in ["data", "continuations", "self_prompts", "sharegpt", "sharegpt_follow_ups"] {
         if let Some(p) = identity.get_mut(part) {
             if !capture.is_empty() {
                 p[LAYERS_KEY] = serde_json::json!(capture);
@@ -413,11 +438,12 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         let theirs = std::fs::read_to_string(other.join("run.json")).with_context(|| format!("--teacher-from {}: no run.json", other.display()))?;
         let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| anyhow!("{}/run.json is damaged: {e}", other.display()))?;
         // Self-prompted requests do not grow: a run asking for more writes them all anew.
-        let parts: [(&str, &str, &[&str], bool); 4] = [
+        let parts: [(&str, &str, &[&str], bool); 5] = [
             ("data", "prompts", &[TEACHER_FILE], true),
             ("continuations", "count", &[CONTINUATIONS_FILE], true),
             ("self_prompts", "count", &[REQUESTS_FILE, SELF_PROMPTED_FILE], false),
             ("sharegpt", "count", &[SHAREGPT_FILE], true),
+            ("sharegpt_follow_ups", "count", &[SHAREGPT_FOLLOW_UPS_FILE], true),
         ];
         for (part, count_key, files, grows) in parts {
             if let Some(take) = identity.get(part).and_then(|ours| taken(ours, theirs.get(part)?, count_key, grows)) {
@@ -426,7 +452,7 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
         }
         if reuse.is_empty() {
             bail!(
-                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted or ShareGPT conversations) was made from this target, corpus, answer length and seed (self-prompted ones in at least this count)",
+                "--teacher-from {}: none of its teacher data (generated conversations, continuations, self-prompted conversations, ShareGPT openings or later requests) was made from this target, corpus, answer length and seed (self-prompted ones in at least this count)",
                 other.display()
             );
         }
@@ -484,10 +510,17 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
             teacher_data(&target, &requests[from..], o.max_new_tokens, &capture, on_done)
         })?);
     }
-    if let Some((requests, _)) = &sharegpt {
-        data.extend(cache_part(&o.out.join(SHAREGPT_FILE), requests.len(), "ShareGPT answers", &mut |from, on_done| {
-            teacher_data(&target, &requests[from..], o.max_new_tokens, &capture, on_done)
-        })?);
+    if let Some(requests) = &sharegpt {
+        if !requests.openings.is_empty() {
+            data.extend(cache_part(&o.out.join(SHAREGPT_FILE), requests.openings.len(), "ShareGPT answers", &mut |from, on_done| {
+                teacher_data(&target, &requests.openings[from..], o.max_new_tokens, &capture, on_done)
+            })?);
+        }
+        if !requests.follow_ups.is_empty() {
+            data.extend(cache_part(&o.out.join(SHAREGPT_FOLLOW_UPS_FILE), requests.follow_ups.len(), "ShareGPT later answers", &mut |from, on_done| {
+                chat_answers(&target, &requests.follow_ups[from..], o.max_new_tokens, &capture, on_done)
+            })?);
+        }
     }
     let keep = match (s.arch, init_vocabulary) {
         (Arch::Eagle1, _) => keep,
