@@ -620,20 +620,30 @@ fn an_eagle3_head_trains_on_an_eagle1_runs_teacher_data_and_bad_requests_for_one
     }
 }
 
-#[test]
-fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
+/// A folder with the one-line corpus train-eagle asks for (unused with --prompts 0) and where a ShareGPT file goes.
+fn sharegpt_dir() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(&corpus, "the river town council voted to build a new bridge over quiet water\n").unwrap();
-    // Four complete records — one opened by the model, one repeating an earlier request — and a cut one.
     let sharegpt = dir.path().join("sharegpt.json");
-    let turn = |from: &str, value: &str| format!(r#"{{"from": "{from}", "value": "{value}"}}"#);
-    let record = |id: &str, turns: &[String]| format!(r#"{{"id": "{id}", "conversations": [{}]}}"#, turns.join(", "));
+    (dir, corpus, sharegpt)
+}
+
+/// A ShareGPT record as the file writes it: its id and (speaker, text) turns.
+fn sharegpt_record(id: &str, turns: &[(&str, &str)]) -> String {
+    let turns: Vec<String> = turns.iter().map(|(from, value)| format!(r#"{{"from": "{from}", "value": "{value}"}}"#)).collect();
+    format!(r#"{{"id": "{id}", "conversations": [{}]}}"#, turns.join(", "))
+}
+
+#[test]
+fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
+    let (dir, corpus, sharegpt) = sharegpt_dir();
+    // Four complete records — one opened by the model, one repeating an earlier request — and a cut one.
     let records = [
-        record("a", &[turn("human", "Write a haiku."), turn("gpt", "Rain.")]),
-        record("b", &[turn("gpt", "Hello!"), turn("human", "Hi.")]),
-        record("c", &[turn("human", " Write a haiku. ")]),
-        record("d", &[turn("human", "Name three rivers."), turn("gpt", "Nile, Po, Rhine.")]),
+        sharegpt_record("a", &[("human", "Write a haiku."), ("gpt", "Rain.")]),
+        sharegpt_record("b", &[("gpt", "Hello!"), ("human", "Hi.")]),
+        sharegpt_record("c", &[("human", " Write a haiku. ")]),
+        sharegpt_record("d", &[("human", "Name three rivers."), ("gpt", "Nile, Po, Rhine.")]),
     ];
     std::fs::write(&sharegpt, format!("[\n{},\n{{\"id\": \"e\", \"conversations\": [{{\"from\": \"hum", records.join(",\n"))).unwrap();
     let model = synthetic_dir();
@@ -691,20 +701,15 @@ fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
 
 #[test]
 fn sharegpt_later_requests_are_answered_with_the_turns_before_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let corpus = dir.path().join("corpus.txt");
-    std::fs::write(&corpus, "the river town council voted to build a new bridge over quiet water\n").unwrap();
-    let sharegpt = dir.path().join("sharegpt.json");
-    let turn = |from: &str, value: &str| format!(r#"{{"from": "{from}", "value": "{value}"}}"#);
-    let record = |id: &str, turns: &[String]| format!(r#"{{"id": "{id}", "conversations": [{}]}}"#, turns.join(", "));
+    let (dir, corpus, sharegpt) = sharegpt_dir();
     // Later requests: a's two, then b's one (the same words as a's first, after another exchange); none from c, which
     // the model opens; none from d, whose conversation is longer than 512 tokens before its first later request.
-    let long: Vec<String> = (0..600).map(|i| format!("w{i}")).collect();
+    let long = (0..600).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
     let records = [
-        record("a", &[turn("human", "Write a haiku."), turn("gpt", "Rain."), turn("human", "Another one."), turn("gpt", "Snow."), turn("human", " Shorter. ")]),
-        record("b", &[turn("human", "Name three rivers."), turn("gpt", "Nile, Po, Rhine."), turn("human", "Another one.")]),
-        record("c", &[turn("gpt", "Hello!"), turn("human", "Hi."), turn("gpt", "Hi!"), turn("human", "Bye.")]),
-        record("d", &[turn("human", "Read this."), turn("gpt", &long.join(" ")), turn("human", "Summarise it.")]),
+        sharegpt_record("a", &[("human", "Write a haiku."), ("gpt", "Rain."), ("human", "Another one."), ("gpt", "Snow."), ("human", " Shorter. ")]),
+        sharegpt_record("b", &[("human", "Name three rivers."), ("gpt", "Nile, Po, Rhine."), ("human", "Another one.")]),
+        sharegpt_record("c", &[("gpt", "Hello!"), ("human", "Hi."), ("gpt", "Hi!"), ("human", "Bye.")]),
+        sharegpt_record("d", &[("human", "Read this."), ("gpt", &long), ("human", "Summarise it.")]),
     ];
     std::fs::write(&sharegpt, format!("[\n{}\n]", records.join(",\n"))).unwrap();
     let model = synthetic_dir();
