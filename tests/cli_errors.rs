@@ -445,7 +445,7 @@ fn teacher_data_is_reused_part_by_part() {
     let (done, grown) = run_with("grown", "3", "2", "2", &["--teacher-from", fewer.to_str().unwrap()]);
     let said = String::from_utf8_lossy(&done.stderr);
     assert!(done.status.success(), "{said}");
-    for taken in ["teacher data: the first 2 of 3 conversations taken over", "continuations: the first 1 of 2 conversations taken over"] {
+    for taken in ["teacher data: the first 2 of 3 conversations cached", "continuations: the first 1 of 2 conversations cached"] {
         assert!(said.contains(taken), "{said}");
     }
     for part in ["teacher.safetensors", "continuations.safetensors", "self-prompts.json", "self-prompts.safetensors"] {
@@ -678,7 +678,7 @@ fn sharegpt_requests_are_answered_from_a_cut_file_and_a_bad_one_is_one_error() {
     // And the first folder's two from the one request alone, the second answered now.
     let (done, grown) = run("grown", "2", &["--sharegpt-file", f, "--teacher-from", alone.to_str().unwrap()], &[]);
     let said = String::from_utf8_lossy(&done.stderr);
-    assert!(done.status.success() && said.contains("ShareGPT answers: the first 1 of 2 conversations taken over"), "{said}");
+    assert!(done.status.success() && said.contains("ShareGPT answers: the first 1 of 2 conversations cached"), "{said}");
     assert_eq!(std::fs::read(grown.join("sharegpt.safetensors")).unwrap(), std::fs::read(first.join("sharegpt.safetensors")).unwrap());
     // A part holding more conversations than its run asks for is damaged, not a prefix to take: one error.
     std::fs::copy(first.join("sharegpt.safetensors"), alone.join("sharegpt.safetensors")).unwrap();

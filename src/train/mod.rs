@@ -30,6 +30,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 mod ops;
@@ -361,64 +362,80 @@ pub fn forced(model: &Model, tokens: Vec<u32>, prompt_len: usize, capture: &[usi
     Ok(Conversation { tokens, prompt_len, features, layers })
 }
 
-/// Save conversations as one safetensors file (tokens, offsets, prompt lengths, f16 features and streams). Each
-/// tensor's bytes are gathered from the conversations only as it is written, so saving holds one tensor's bytes
-/// beside them, not a copy of all.
+/// Save conversations as one safetensors file (tokens, offsets, prompt lengths, f16 features and streams), written
+/// conversation by conversation. safetensors' own writer takes each tensor's bytes as one slice: for EAGLE-3's
+/// streams of a large part (6,633 ShareGPT follow-ups: ≈ 10 GB) that copy, beside the conversations, is more than
+/// this machine holds.
 pub fn save_teacher(path: &Path, convs: &[Conversation], hidden: usize) -> Result<()> {
     let rows: usize = convs.iter().map(|c| c.features.len() / hidden).sum();
     let tokens: usize = convs.iter().map(|c| c.tokens.len()).sum();
+    // The i64 tensors first: with the header padded to 8 bytes, every tensor starts aligned to its element, so the
+    // f16 ones are read in place (`Halves::Mapped`).
     let mut tensors = vec![
-        ("tokens", Gathered::ints(tokens, || convs.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i64)).collect())),
-        ("offsets", Gathered::ints(convs.len() + 1, || std::iter::once(0).chain(convs.iter().scan(0, |end, c| {
+        Streamed::ints("tokens", tokens, || convs.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i64)).collect()),
+        Streamed::ints("offsets", convs.len() + 1, || std::iter::once(0).chain(convs.iter().scan(0, |end, c| {
             *end += c.tokens.len() as i64;
             Some(*end)
-        })).collect())),
-        ("prompt_lens", Gathered::ints(convs.len(), || convs.iter().map(|c| c.prompt_len as i64).collect())),
-        ("features", Gathered::halves(convs, rows, hidden, |c| &c.features)),
+        })).collect()),
+        Streamed::ints("prompt_lens", convs.len(), || convs.iter().map(|c| c.prompt_len as i64).collect()),
+        Streamed::halves("features", convs, rows, hidden, |c| &c.features),
     ];
     // Absent when no layers were captured, so EAGLE-1 teacher data stays as it was.
     let streams: usize = convs.iter().map(|c| c.layers.len()).sum();
     if streams > 0 {
-        tensors.push(("layers", Gathered::halves(convs, rows, streams / rows.max(1), |c| &c.layers)));
+        tensors.push(Streamed::halves("layers", convs, rows, streams / rows.max(1), |c| &c.layers));
     }
-    saved_whole(path, |tmp| Ok(safetensors::serialize_to_file(tensors, None, tmp)?))
+    let mut header = serde_json::Map::new();
+    let mut end = 0;
+    for t in &tensors {
+        let start = end;
+        end += t.shape.iter().product::<usize>() * t.dtype.bitsize() / 8;
+        header.insert(t.name.into(), serde_json::json!({ "dtype": t.dtype, "shape": t.shape, "data_offsets": [start, end] }));
+    }
+    let mut header = serde_json::to_vec(&header)?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    saved_whole(path, |tmp| {
+        let mut w = std::io::BufWriter::new(std::fs::File::create(tmp).with_context(|| format!("cannot write {}", tmp.display()))?);
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        for t in &tensors {
+            (t.write)(&mut w)?;
+        }
+        let written = w.into_inner().map_err(|e| e.into_error())?.metadata()?.len();
+        if written != (8 + header.len() + end) as u64 {
+            bail!("{}: wrote {written} bytes where the header promises {}: conversations of uneven widths", tmp.display(), 8 + header.len() + end);
+        }
+        Ok(())
+    })
 }
 
-/// A tensor of a file being written, its bytes made when they are written.
-struct Gathered<'a> {
+/// A tensor of a file being written, its bytes written from the conversations as it is.
+struct Streamed<'a> {
+    name: &'static str,
     dtype: safetensors::Dtype,
     shape: Vec<usize>,
-    bytes: Box<dyn Fn() -> Vec<u8> + 'a>,
+    write: Box<dyn Fn(&mut dyn Write) -> std::io::Result<()> + 'a>,
 }
 
-impl<'a> Gathered<'a> {
-    fn ints(len: usize, values: impl Fn() -> Vec<i64> + 'a) -> Gathered<'a> {
-        let bytes = Box::new(move || values().iter().flat_map(|v| v.to_le_bytes()).collect());
-        Gathered { dtype: safetensors::Dtype::I64, shape: vec![len], bytes }
+impl<'a> Streamed<'a> {
+    fn ints(name: &'static str, len: usize, values: impl Fn() -> Vec<i64> + 'a) -> Streamed<'a> {
+        let write = Box::new(move |w: &mut dyn Write| w.write_all(&values().iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()));
+        Streamed { name, dtype: safetensors::Dtype::I64, shape: vec![len], write }
     }
 
     /// `[rows, width]` of f16 values, each conversation's `part` in turn.
-    fn halves(convs: &'a [Conversation], rows: usize, width: usize, part: fn(&Conversation) -> &[f16]) -> Gathered<'a> {
-        let bytes = Box::new(move || convs.iter().flat_map(|c| part(c).iter().flat_map(|x| x.to_le_bytes())).collect());
-        Gathered { dtype: safetensors::Dtype::F16, shape: vec![rows, width], bytes }
-    }
-}
-
-impl safetensors::View for Gathered<'_> {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        (self.bytes)().into()
-    }
-
-    fn data_len(&self) -> usize {
-        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
+    fn halves(name: &'static str, convs: &'a [Conversation], rows: usize, width: usize, part: fn(&Conversation) -> &[f16]) -> Streamed<'a> {
+        let write = Box::new(move |w: &mut dyn Write| {
+            for c in convs {
+                if cfg!(target_endian = "little") {
+                    w.write_all(bytemuck::cast_slice(part(c)))?;
+                } else {
+                    w.write_all(&part(c).iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
+                }
+            }
+            Ok(())
+        });
+        Streamed { name, dtype: safetensors::Dtype::F16, shape: vec![rows, width], write }
     }
 }
 

@@ -94,7 +94,14 @@ fn plain(quiet: bool) -> bool {
 }
 
 /// Makes a part's conversations from the given index on (the ones before are cached), reporting each as it is done.
-type Producer<'a> = dyn FnMut(usize, &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
+type Producer<'a> = dyn FnMut(std::ops::Range<usize>, &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
+
+/// Conversations are made this many at a time (sixteen batches of answers)...
+const MAKE_CHUNK: usize = 256;
+/// ...and the part is saved when this long has passed since it last was, so that a run stopped while making a part of
+/// an hour or more (6,633 ShareGPT follow-ups) loses at most this much of it, and what is made moves from memory to
+/// the mapped file. Rewriting the part each time costs seconds.
+const SAVE_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
 
 // The cached teacher data, one file per part (the requests kept as JSON, for people to read too).
 const TEACHER_FILE: &str = "teacher.safetensors";
@@ -169,7 +176,8 @@ fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result
 }
 
 /// Conversations from their cache file, made by `make` (with progress) where the file holds fewer than `count` — a
-/// smaller run's part taken over, which every part's prefix-stability makes the first of these — and cached. A cached
+/// smaller run's part taken over, or one this run saved before it stopped, which every part's prefix-stability makes
+/// the first of these — and cached (read back in place from the file). A cached
 /// part made without the `capture` layers (an EAGLE-1 run's, taken over) gets them from one forward of each
 /// conversation through the target, which gives what generating would have recorded, and is saved with them.
 fn cached(path: &Path, count: usize, label: &str, quiet: bool, target: &Target, capture: &[usize], make: &mut Producer) -> Result<Vec<Conversation>> {
@@ -196,12 +204,12 @@ fn cached(path: &Path, count: usize, label: &str, quiet: bool, target: &Target, 
     if data.len() < count {
         let from = data.len();
         if from > 0 && plain(quiet) {
-            eprintln!("{label}: the first {from} of {count} conversations taken over, making the other {}", count - from);
+            eprintln!("{label}: the first {from} of {count} conversations cached, making the other {}", count - from);
         }
         let b = bar(quiet, count - from, &format!("{label} {{bar:30}} {{pos}}/{{len}} conversations, {{msg}} tokens, ETA {{eta}}"))?;
         let mut tokens = 0;
-        let (started, mut done) = (Instant::now(), 0);
-        let made = make(from, &mut |c| {
+        let (started, mut done, mut saved) = (Instant::now(), 0, Instant::now());
+        let mut on_done = |c: &Conversation| {
             tokens += c.tokens.len();
             done += 1;
             b.set_message(tokens.to_string());
@@ -209,13 +217,22 @@ fn cached(path: &Path, count: usize, label: &str, quiet: bool, target: &Target, 
             if plain(quiet) && done % 50 == 0 {
                 eprintln!("{label}: {}/{count} conversations, {tokens} tokens, {:.0} s", from + done, started.elapsed().as_secs_f64());
             }
-        })?;
+        };
+        while data.len() < count {
+            let chunk = data.len()..count.min(data.len() + MAKE_CHUNK);
+            data.extend(make(chunk, &mut on_done)?);
+            if data.len() < count && saved.elapsed() >= SAVE_EVERY {
+                save_teacher(path, &data, hidden)?;
+                data = load_teacher(path, hidden)?;
+                saved = Instant::now();
+            }
+        }
         b.finish();
-        data.extend(made);
         changed = true;
     }
     if changed {
         save_teacher(path, &data, hidden)?;
+        data = load_teacher(path, hidden)?;
     }
     Ok(data)
 }
@@ -494,31 +511,31 @@ pub fn train_eagle(o: &TrainOptions) -> Result<Option<Trained>> {
     }
     let mut data = Vec::new();
     if !prompts.is_empty() {
-        data.extend(cache_part(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", &mut |from, on_done| {
-            teacher_data(&target, &prompts[from..], o.max_new_tokens, &capture, on_done)
+        data.extend(cache_part(&o.out.join(TEACHER_FILE), prompts.len(), "teacher data", &mut |chunk, on_done| {
+            teacher_data(&target, &prompts[chunk], o.max_new_tokens, &capture, on_done)
         })?);
     }
     if !continuations.is_empty() {
-        data.extend(cache_part(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", &mut |from, on_done| {
-            teacher_forced(&target, &continuations[from..], o.max_new_tokens, &capture, on_done)
+        data.extend(cache_part(&o.out.join(CONTINUATIONS_FILE), continuations.len(), "continuations", &mut |chunk, on_done| {
+            teacher_forced(&target, &continuations[chunk], o.max_new_tokens, &capture, on_done)
         })?);
     }
 
     if o.self_prompts > 0 {
         let requests = cached_self_prompts(&o.out.join(REQUESTS_FILE), &target, o)?;
-        data.extend(cache_part(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", &mut |from, on_done| {
-            teacher_data(&target, &requests[from..], o.max_new_tokens, &capture, on_done)
+        data.extend(cache_part(&o.out.join(SELF_PROMPTED_FILE), requests.len(), "self-prompted answers", &mut |chunk, on_done| {
+            teacher_data(&target, &requests[chunk], o.max_new_tokens, &capture, on_done)
         })?);
     }
     if let Some(requests) = &sharegpt {
         if !requests.openings.is_empty() {
-            data.extend(cache_part(&o.out.join(SHAREGPT_FILE), requests.openings.len(), "ShareGPT answers", &mut |from, on_done| {
-                teacher_data(&target, &requests.openings[from..], o.max_new_tokens, &capture, on_done)
+            data.extend(cache_part(&o.out.join(SHAREGPT_FILE), requests.openings.len(), "ShareGPT answers", &mut |chunk, on_done| {
+                teacher_data(&target, &requests.openings[chunk], o.max_new_tokens, &capture, on_done)
             })?);
         }
         if !requests.follow_ups.is_empty() {
-            data.extend(cache_part(&o.out.join(SHAREGPT_FOLLOW_UPS_FILE), requests.follow_ups.len(), "ShareGPT later answers", &mut |from, on_done| {
-                chat_answers(&target, &requests.follow_ups[from..], o.max_new_tokens, &capture, on_done)
+            data.extend(cache_part(&o.out.join(SHAREGPT_FOLLOW_UPS_FILE), requests.follow_ups.len(), "ShareGPT later answers", &mut |chunk, on_done| {
+                chat_answers(&target, &requests.follow_ups[chunk], o.max_new_tokens, &capture, on_done)
             })?);
         }
     }
