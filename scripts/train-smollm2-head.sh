@@ -32,7 +32,8 @@
 # alone; 2,200 steps at ≈ 1.5 s), +0.060, 1.651; then one epoch over those 8,800 answers again and 2,800 requests the
 # target writes itself (Magpie, as EAGLE-1's first stage; 720 s of requests and 1,269 s of answers; 2,900 steps in
 # 4,120 s), +0.044, 1.695; then one epoch over all those and EAGLE-1's Brown data (2,400 prompts answered in
-# 1,033 s, 1,500 continuations read in 562 s; 3,875 steps in 5,416 s), +0.090, 1.785. Packed in Q8_0 (frspec pack-head).
+# 1,033 s, 1,500 continuations read in 562 s; 3,875 steps in 5,416 s), +0.090, 1.785; then a second epoch over the
+# same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862. Packed in Q8_0 (frspec pack-head).
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
@@ -50,7 +51,7 @@ shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
 [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
-# EAGLE-1's recipe has four stages, EAGLE-3's six; each after the first starts from the head before with fresh
+# EAGLE-1's recipe has four stages, EAGLE-3's seven; each after the first starts from the head before with fresh
 # optimizer moments and a schedule of its own (--init-from).
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
@@ -63,7 +64,7 @@ case $arch in
           recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400
           second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200
           later=(--arch eagle3 --draft-vocab 8192 --unroll 2)
-          later_stages=("sg3600-q8 0 0 3600 0" "sg8800-q8 0 0 8800 0" "sg8800-sp2800-q8 0 0 8800 2800" "p2400-c1500-q8 2400 1500 8800 2800") ;;
+          later_stages=("sg3600-q8 0 0 3600 0" "sg8800-q8 0 0 8800 0" "sg8800-sp2800-q8 0 0 8800 2800" "p2400-c1500-q8 2400 1500 8800 2800" "p2400-c1500-q8-2ep 2400 1500 8800 2800") ;;
 esac
 start=$(date +%s)
 train() {
