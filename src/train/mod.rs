@@ -224,12 +224,6 @@ impl std::ops::Deref for Halves {
     }
 }
 
-impl From<Vec<f16>> for Halves {
-    fn from(v: Vec<f16>) -> Halves {
-        Halves::Owned(v)
-    }
-}
-
 impl Default for Halves {
     fn default() -> Halves {
         Halves::Owned(Vec::new())
@@ -439,7 +433,7 @@ impl<'a> Streamed<'a> {
     }
 }
 
-/// The conversations of a teacher-data file, read from a mapping of it so that only the conversations take memory.
+/// The conversations of a teacher-data file, their features and streams read in place from a mapping of it.
 pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     // SAFETY: the file is only read while mapped, and teacher data is written whole to a new file and renamed over

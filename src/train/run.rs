@@ -93,7 +93,7 @@ fn plain(quiet: bool) -> bool {
     quiet || !std::io::stderr().is_terminal()
 }
 
-/// Makes a part's conversations from the given index on (the ones before are cached), reporting each as it is done.
+/// Makes the given range of a part's conversations (the ones before are cached), reporting each as it is done.
 type Producer<'a> = dyn FnMut(std::ops::Range<usize>, &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> + 'a;
 
 /// Conversations are made this many at a time (sixteen batches of answers)...
