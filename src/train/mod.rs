@@ -413,7 +413,7 @@ struct Streamed<'a> {
 
 impl<'a> Streamed<'a> {
     fn ints(name: &'static str, len: usize, values: impl Fn() -> Vec<i64> + 'a) -> Streamed<'a> {
-        let write = Box::new(move |w: &mut dyn Write| w.write_all(&values().iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()));
+        let write = Box::new(move |w: &mut dyn Write| values().iter().try_for_each(|v| w.write_all(&v.to_le_bytes())));
         Streamed { name, dtype: safetensors::Dtype::I64, shape: vec![len], write }
     }
 
@@ -424,7 +424,7 @@ impl<'a> Streamed<'a> {
                 if cfg!(target_endian = "little") {
                     w.write_all(bytemuck::cast_slice(part(c)))?;
                 } else {
-                    w.write_all(&part(c).iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
+                    part(c).iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))?;
                 }
             }
             Ok(())
