@@ -33,7 +33,8 @@
 # target writes itself (Magpie, as EAGLE-1's first stage; 720 s of requests and 1,269 s of answers; 2,900 steps in
 # 4,120 s), +0.044, 1.695; then one epoch over all those and EAGLE-1's Brown data (2,400 prompts answered in
 # 1,033 s, 1,500 continuations read in 562 s; 3,875 steps in 5,416 s), +0.090, 1.785; then a second epoch over the
-# same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862. Packed in Q8_0 (frspec pack-head).
+# same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862. Packed in Q8_0 (frspec pack-head); each
+# stage from the third starts from the head before packed, as shipped and measured.
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
@@ -83,11 +84,17 @@ for stage in "${later_stages[@]}"; do
   previous=$run
   run=$previous-$name
   teacher=(--teacher-from "$previous")
-  if [ "$arch" = eagle3 ] && [ "$previous" = "$first-$second_name" ]; then teacher=(); fi
+  init=$previous
+  if [ "$arch" = eagle3 ]; then
+    # Each was measured from the head before as it shipped, packed in Q8_0: its rounding is part of the recipe.
+    init=$previous-packed
+    "$frspec" pack-head "$previous" --out "$init"
+    if [ "$previous" = "$first-$second_name" ]; then teacher=(); fi
+  fi
   # One epoch over the stage's conversations, four a step.
   FRSPEC_ACTIVATIONS=q8 train --out "$run" --lr 3e-4 --warmup 20 --steps $(((prompts + continuations + requests + self_prompts) / 4)) \
     --prompts "$prompts" --continuations "$continuations" --sharegpt "$requests" --self-prompts "$self_prompts" "${later[@]}" \
-    --init-from "$previous" "${teacher[@]}"
+    --init-from "$init" "${teacher[@]}"
 done
 echo "recipe wall time: $(( $(date +%s) - start )) s"
 head=heads/smollm2-135m-$arch
