@@ -1,14 +1,15 @@
-//! Training an EAGLE-1 head on a frozen target.
+//! Training an EAGLE-1 or EAGLE-3 head on a frozen target.
 //!
-//! Data: prompts derived from a text corpus (never the evaluation set) in the target's chat format, answered by
-//! the target itself (greedy), so the head learns the distribution it will draft for. The target's post-norm
-//! features along each conversation are the teacher signal, cached once on disk in f16. Prompts also come from
-//! the opening requests of ShareGPT conversations, the real user prompts EAGLE trained on.
+//! Data (`requests`, `teacher`): requests in the target's chat format (never the evaluation set) answered by the
+//! target itself (greedy), so the head learns the distribution it will draft for. The target's post-norm features
+//! along each conversation (and, for EAGLE-3, the residual streams it reads) are the teacher signal, cached once on
+//! disk in f16. `run` makes and caches the data, trains and exports, resumably.
 //! Objective (EAGLE-1): draft position i sees (f_i, t_{i+1}) and predicts f_{i+1}: smooth-L1 against it (weight 1, a
 //! setting), plus 0.1 (a setting) × the cross-entropy of the head's logits through the target's LM head against the
 //! target's next-token distribution softmax(LM head · f_{i+1}) — forward KL plus a constant; only positions that
-//! predict answer tokens count. Optionally EAGLE-3's training-time test: further draft steps unrolled on the head's
-//! own features, step j weighted 0.8^j. Inputs get uniform noise (±0.1), as in EAGLE. AdamW with linear warm-up and
+//! predict answer tokens count. EAGLE-3: fc over the captured streams, the head's own norm and LM head over its draft
+//! vocabulary (`draft_vocabulary`), no feature term. Optionally (EAGLE-3's training-time test) further draft steps
+//! unrolled on the head's own features, step j weighted 0.8^j. Inputs get uniform noise (±0.1), as in EAGLE. AdamW with linear warm-up and
 //! cosine decay, gradient norm clipped at 0.5.
 //!
 //! The forward here is written in candle tensor operations because training needs autograd; the engine's own
@@ -16,165 +17,26 @@
 
 use crate::engine::candle::llama::{self, Rope};
 use ops::{attention, attention_unrolled, rms_norm};
-use crate::text::chat::Message;
-use crate::speculative::generate::StopReason;
 use crate::engine::cpu::model::{Config, Model};
-use crate::sampling::Sampling;
 use crate::files::write_atomic;
 use crate::loading::target::Target;
 use crate::vocab::KeepSet;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use half::f16;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 mod ops;
+mod requests;
 mod run;
+mod teacher;
+pub use requests::{continuations, load_templates, prompts, self_prompts, sharegpt_follow_ups, sharegpt_prompts, SHAREGPT_MAX_PROMPT_TOKENS, TEMPLATES};
 pub use run::{train_eagle, TrainOptions, Trained};
-
-/// Instructions wrapped around corpus passages to make chat prompts (the default set, `--templates` replaces it);
-/// they cover writing, explanation, extraction, reasoning, arithmetic and code so the answers resemble what chat
-/// benchmarks ask for. The first one also frames the continuations.
-pub const TEMPLATES: [&str; 10] = [
-    "Continue this text in the same style:\n\n{}",
-    "Explain the following passage in simple terms:\n\n{}",
-    "Write a short story inspired by this passage:\n\n{}",
-    "Summarize the main point of this passage and say why it matters:\n\n{}",
-    "What questions would a curious reader ask about this passage? Answer two of them.\n\n{}",
-    "Rewrite this passage as a friendly email to a colleague:\n\n{}",
-    "List three facts or ideas from this passage, then comment on each:\n\n{}",
-    "Give practical advice to someone in the situation described here:\n\n{}",
-    "Make up a simple arithmetic word problem based on this passage and solve it step by step:\n\n{}",
-    "Write a short Python function related to this passage and explain how it works:\n\n{}",
-];
-
-/// Corpus lines as readable text: Brown's quote marks and the spaces its tokenization puts before punctuation
-/// removed.
-fn readable(line: &str) -> String {
-    let mut s = line.replace("``", "\"").replace("''", "\"");
-    for p in [" .", " ,", " ;", " :", " ?", " !", " 's", " n't"] {
-        s = s.replace(p, &p[1..]);
-    }
-    s
-}
-
-/// Passages of three consecutive corpus lines, in corpus order, with at least 8 words.
-fn passages(lines: &[String]) -> Result<Vec<String>> {
-    let passages: Vec<String> = lines.chunks(3).map(|c| c.iter().map(|l| readable(l)).collect::<Vec<_>>().join(" ")).collect();
-    let passages: Vec<String> = passages.into_iter().filter(|p| p.split_whitespace().count() >= 8).collect();
-    if passages.is_empty() {
-        bail!("the corpus holds no passage of 8 words or more");
-    }
-    Ok(passages)
-}
-
-/// Instruction templates from a JSON file: a list of strings, each holding `{}` once, where the passage goes.
-pub fn load_templates(path: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read templates file {}", path.display()))?;
-    let templates: Vec<String> =
-        serde_json::from_str(&text).map_err(|e| anyhow!("{}: not a JSON list of template strings: {e}", path.display()))?;
-    if templates.is_empty() {
-        bail!("{}: holds no template", path.display());
-    }
-    if let Some((i, _)) = templates.iter().enumerate().find(|(_, t)| t.matches("{}").count() != 1) {
-        bail!("{}: template {} must hold {{}} (where the passage goes) exactly once", path.display(), i + 1);
-    }
-    Ok(templates)
-}
-
-/// `count` chat prompts from the corpus: passages drawn in a seeded order, each wrapped in one of the templates
-/// (in turn).
-pub fn prompts(lines: &[String], count: usize, seed: u64, templates: &[impl AsRef<str>]) -> Result<Vec<String>> {
-    let passages = passages(lines)?;
-    let order = shuffled(passages.len(), &mut ChaCha20Rng::seed_from_u64(seed));
-    Ok((0..count).map(|i| templates[i % templates.len()].as_ref().replace("{}", &passages[order[i % order.len()]])).collect())
-}
-
-/// `count` (prompt, answer) pairs whose answer is the corpus itself: a passage to continue, drawn in a seeded order
-/// (another stream than `prompts`), and the passages that follow it.
-pub fn continuations(lines: &[String], count: usize, seed: u64) -> Result<Vec<(String, String)>> {
-    let passages = passages(lines)?;
-    if passages.len() < 2 {
-        bail!("the corpus holds fewer than two passages, so none has a continuation");
-    }
-    let mut rng = ChaCha20Rng::seed_from_u64(seed);
-    rng.set_stream(1);
-    let order = shuffled(passages.len() - 1, &mut rng);
-    Ok((0..count)
-        .map(|i| {
-            let p = order[i % order.len()];
-            let answer = passages[p + 1..passages.len().min(p + 4)].join(" ");
-            (TEMPLATES[0].replace("{}", &passages[p]), answer)
-        })
-        .collect())
-}
-
-/// Longest ShareGPT request taken, in tokens of the chat prompt. A tenth of the openings are pasted documents or
-/// code of thousands of tokens; one of them costs the prefill of dozens of short ones and teaches the head little
-/// more, and chat benchmarks ask in a few hundred.
-pub const SHAREGPT_MAX_PROMPT_TOKENS: usize = 512;
-
-/// The first `count` distinct requests that open a ShareGPT conversation, in file order, whose chat prompt is at
-/// most `max_tokens` tokens. File order keeps the selection prefix-stable: the first n of more are the n alone.
-pub fn sharegpt_prompts(conversations: &[crate::text::sharegpt::Conversation], count: usize, tok: &crate::text::tokenizer::Tokenizer, max_tokens: usize) -> Result<Vec<String>> {
-    let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
-    for request in conversations.iter().filter_map(|c| c.first_human_turn()).map(str::trim).filter(|r| !r.is_empty()) {
-        if out.len() == count {
-            break;
-        }
-        if seen.insert(request) && tok.chat_prompt(&[Message::new("user", request)])?.len() <= max_tokens {
-            out.push(request.to_string());
-        }
-    }
-    if out.len() < count {
-        bail!("the ShareGPT file holds only {} distinct opening requests of at most {max_tokens} tokens, not {count}", out.len());
-    }
-    Ok(out)
-}
-
-/// The first `count` distinct later requests of ShareGPT conversations, each with the turns before it as ShareGPT
-/// recorded them (the assistant's answers are not the target's), in file order, whose chat prompt is at most
-/// `max_tokens` tokens. A conversation's requests are taken in turn until the first whose chat is longer: the later
-/// ones only add to it. Prefix-stable like `sharegpt_prompts`.
-pub fn sharegpt_follow_ups(conversations: &[crate::text::sharegpt::Conversation], count: usize, tok: &crate::text::tokenizer::Tokenizer, max_tokens: usize) -> Result<Vec<Vec<Message>>> {
-    let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
-    'conversations: for conversation in conversations {
-        for turns in conversation.follow_ups() {
-            if out.len() == count {
-                break 'conversations;
-            }
-            let chat: Vec<Message> = turns.iter().map(|t| Message::new(if t.from == "human" { "user" } else { "assistant" }, t.value.trim())).collect();
-            if chat.last().is_some_and(|request| request.content.is_empty()) {
-                continue;
-            }
-            let prompt = tok.chat_prompt(&chat)?;
-            if prompt.len() > max_tokens {
-                break;
-            }
-            if seen.insert(prompt) {
-                out.push(chat);
-            }
-        }
-    }
-    if out.len() < count {
-        bail!("the ShareGPT file holds only {} distinct later requests whose conversation so far is at most {max_tokens} tokens, not {count}", out.len());
-    }
-    Ok(out)
-}
-
-/// 0..n in a seeded random order (Fisher–Yates).
-fn shuffled(n: usize, rng: &mut ChaCha20Rng) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        order.swap(i, rng.random_range(0..=i));
-    }
-    order
-}
+pub use teacher::{chat_answers, draft_vocabulary, forced, load_teacher, save_teacher, teacher_data, teacher_forced, Conversation, Halves};
+use requests::shuffled;
 
 /// Tensors to a safetensors file through a temporary file and a rename, so a reader never sees half of it.
 fn save_tensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
@@ -188,313 +50,6 @@ fn saved_whole(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<(
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// One conversation of the teacher data.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Conversation {
-    pub tokens: Vec<u32>,
-    /// Tokens of the prompt; the rest is the target's answer.
-    pub prompt_len: usize,
-    /// Post-norm target features of every token but the last, `[tokens.len() - 1, hidden]`. Held in f16, the
-    /// precision they are stored and trained with, since f32 would double a run's memory: EAGLE-3's streams of
-    /// 8,800 ShareGPT answers are ≈ 9.6 GB in f16, too much for a 24 GB machine in f32.
-    pub features: Halves,
-    /// The residual streams entering the target layers an EAGLE-3 head reads, at the same positions,
-    /// `[tokens.len() - 1, layers · hidden]`; empty when none were captured (EAGLE-1).
-    pub layers: Halves,
-}
-
-/// f16 values made in memory, or read in place from a mapped teacher-data file. Loaded teacher data stays in the
-/// file, not in memory: a run's data (16 GB for the EAGLE-3 head's sixth stage) then takes page cache the kernel can
-/// give back, so a run may hold more than the machine's memory, and a step reads only its batch (a few MB).
-#[derive(Clone)]
-pub enum Halves {
-    Owned(Vec<f16>),
-    /// `len` values from byte `start` of a mapping whose f16 data `load_teacher` checked to be aligned.
-    Mapped { file: std::sync::Arc<memmap2::Mmap>, start: usize, len: usize },
-}
-
-impl std::ops::Deref for Halves {
-    type Target = [f16];
-
-    fn deref(&self) -> &[f16] {
-        match self {
-            Halves::Owned(v) => v,
-            Halves::Mapped { file, start, len } => bytemuck::cast_slice(&file[*start..*start + 2 * len]),
-        }
-    }
-}
-
-impl Default for Halves {
-    fn default() -> Halves {
-        Halves::Owned(Vec::new())
-    }
-}
-
-impl PartialEq for Halves {
-    fn eq(&self, other: &Halves) -> bool {
-        **self == **other
-    }
-}
-
-impl std::fmt::Debug for Halves {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} f16 values", self.len())
-    }
-}
-
-impl Conversation {
-    pub fn features_f32(&self) -> Vec<f32> {
-        widened(&self.features)
-    }
-
-    pub fn layers_f32(&self) -> Vec<f32> {
-        widened(&self.layers)
-    }
-}
-
-fn widened(x: &[f16]) -> Vec<f32> {
-    x.iter().map(|x| x.to_f32()).collect()
-}
-
-fn narrowed(x: &[f32]) -> Halves {
-    Halves::Owned(x.iter().map(|&x| f16::from_f32(x)).collect())
-}
-
-/// Magpie's sampling (Xu et al. 2024): temperature 1 over the whole vocabulary, so requests are as varied as what
-/// the model was tuned on.
-const SELF_PROMPT_SAMPLING: Sampling = Sampling { temperature: 1.0, top_p: 1.0 };
-
-/// `count` requests the target writes itself (Magpie): the chat up to the user's turn, continued by sampling until
-/// the turn ends. Attempt a draws from its own stream of `seed`, so a request does not depend on the batch it was
-/// decoded in; attempts that run past `max_tokens`, come out blank or repeat an earlier request are dropped.
-pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize, on_done: &mut dyn FnMut(&str)) -> Result<Vec<String>> {
-    let tok = &target.tokenizer;
-    let prefix = tok.user_turn_prefix()?;
-    let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
-    let mut attempts = 0;
-    while out.len() < count {
-        if attempts >= 4 * count + 64 {
-            bail!("the target wrote only {} usable requests in {attempts} attempts (each must end its turn within {max_tokens} tokens and be new)", out.len());
-        }
-        let mut streams: Vec<ChaCha20Rng> = (attempts..attempts + ANSWER_BATCH)
-            .map(|a| {
-                let mut rng = ChaCha20Rng::seed_from_u64(seed ^ 0x5e1f_9e37_79b9_7f4a);
-                rng.set_stream(a as u64);
-                rng
-            })
-            .collect();
-        attempts += ANSWER_BATCH;
-        let written = crate::speculative::decode::continuations(&target.model, &tok.stop_ids, &vec![prefix.as_slice(); ANSWER_BATCH], max_tokens, &[], SELF_PROMPT_SAMPLING, &mut |i| streams[i].random())?;
-        for c in written.into_iter().filter(|c| c.stop == StopReason::EndOfTurn) {
-            let request = tok.decode(&c.tokens[prefix.len()..c.tokens.len() - 1])?.trim().to_string();
-            if out.len() < count && !request.is_empty() && seen.insert(request.clone()) {
-                on_done(&request);
-                out.push(request);
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Prompts the target answers together, one batched forward a step. A sequence's answer does not depend on the
-/// others beside it (bit for bit), so the batch changes only the time: 16, as CPU sweeps batch, answered 48 ShareGPT
-/// requests in 86% of the time 8 took and wrote 48 requests of its own in about 90%, with the same bytes
-/// (2026-12-03).
-const ANSWER_BATCH: usize = 16;
-
-/// Let the target answer every prompt greedily, keeping its features and the inputs of the `capture` layers.
-pub fn teacher_data(target: &Target, prompts: &[String], max_new_tokens: usize, capture: &[usize], on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
-    let chats: Vec<Vec<Message>> = prompts.iter().map(|p| vec![Message::new("user", p)]).collect();
-    chat_answers(target, &chats, max_new_tokens, capture, on_done)
-}
-
-/// `teacher_data` for chats of several turns, each ending with the request the target answers.
-pub fn chat_answers(target: &Target, chats: &[Vec<Message>], max_new_tokens: usize, capture: &[usize], on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
-    let tok = &target.tokenizer;
-    let mut out = Vec::with_capacity(chats.len());
-    for batch in chats.chunks(ANSWER_BATCH) {
-        let chats = batch.iter().map(|chat| tok.chat_prompt(chat)).collect::<Result<Vec<_>>>()?;
-        for (c, prompt) in crate::speculative::decode::greedy_continuations(&target.model, &tok.stop_ids, &chats, max_new_tokens, capture)?.into_iter().zip(&chats) {
-            let conv = Conversation { tokens: c.tokens, prompt_len: prompt.len(), features: narrowed(&c.features.hidden), layers: narrowed(&c.features.layers) };
-            on_done(&conv);
-            out.push(conv);
-        }
-    }
-    Ok(out)
-}
-
-/// Teacher-forced conversations: each prompt in the chat format followed by its answer text (at most
-/// `max_answer_tokens` tokens), forwarded once through the target for its features. Several times faster per token
-/// than generating, and the answers are varied text rather than the target's own.
-pub fn teacher_forced(target: &Target, pairs: &[(String, String)], max_answer_tokens: usize, capture: &[usize], on_done: &mut dyn FnMut(&Conversation)) -> Result<Vec<Conversation>> {
-    let tok = &target.tokenizer;
-    let mut out = Vec::with_capacity(pairs.len());
-    for (prompt, answer) in pairs {
-        let mut tokens = tok.chat_prompt(&[Message::new("user", prompt)])?;
-        let prompt_len = tokens.len();
-        tokens.extend(tok.encode(answer)?.into_iter().take(max_answer_tokens));
-        let conv = forced(&target.model, tokens, prompt_len, capture)?;
-        on_done(&conv);
-        out.push(conv);
-    }
-    Ok(out)
-}
-
-/// The conversation `tokens` (a prompt of `prompt_len` tokens, then its answer) with the target's features and the
-/// inputs of the `capture` layers, from one forward. On the target's own greedy answer it equals what `teacher_data`
-/// recorded while generating.
-pub fn forced(model: &Model, tokens: Vec<u32>, prompt_len: usize, capture: &[usize]) -> Result<Conversation> {
-    if prompt_len == 0 || tokens.len() <= prompt_len {
-        bail!("a conversation needs a prompt and an answer ({prompt_len} of {} tokens are prompt)", tokens.len());
-    }
-    let f = model.forward(&tokens, &mut model.new_cache(), &[], capture)?;
-    let mut captured = crate::engine::cpu::CpuFeatures::new(model.config.hidden, capture);
-    captured.append(&f.hidden, &f.layer_inputs);
-    let rows = tokens.len() - 1;
-    let features = narrowed(&captured.hidden[..rows * model.config.hidden]);
-    let layers = narrowed(&captured.layers[..rows * capture.len() * model.config.hidden]);
-    Ok(Conversation { tokens, prompt_len, features, layers })
-}
-
-/// Save conversations as one safetensors file (tokens, offsets, prompt lengths, f16 features and streams), written
-/// conversation by conversation. safetensors' own writer takes each tensor's bytes as one slice: for EAGLE-3's
-/// streams of a large part (6,633 ShareGPT follow-ups: ≈ 10 GB) that copy, beside the conversations, is more than
-/// this machine holds.
-pub fn save_teacher(path: &Path, convs: &[Conversation], hidden: usize) -> Result<()> {
-    let rows: usize = convs.iter().map(|c| c.features.len() / hidden).sum();
-    let tokens: usize = convs.iter().map(|c| c.tokens.len()).sum();
-    // The i64 tensors first: with the header padded to 8 bytes, every tensor starts aligned to its element, so the
-    // f16 ones are read in place (`Halves::Mapped`).
-    let mut tensors = vec![
-        Streamed::ints("tokens", tokens, || convs.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i64)).collect()),
-        Streamed::ints("offsets", convs.len() + 1, || std::iter::once(0).chain(convs.iter().scan(0, |end, c| {
-            *end += c.tokens.len() as i64;
-            Some(*end)
-        })).collect()),
-        Streamed::ints("prompt_lens", convs.len(), || convs.iter().map(|c| c.prompt_len as i64).collect()),
-        Streamed::halves("features", convs, rows, hidden, |c| &c.features),
-    ];
-    // Absent when no layers were captured, so EAGLE-1 teacher data stays as it was.
-    let streams: usize = convs.iter().map(|c| c.layers.len()).sum();
-    if streams > 0 {
-        tensors.push(Streamed::halves("layers", convs, rows, streams / rows.max(1), |c| &c.layers));
-    }
-    let mut header = serde_json::Map::new();
-    let mut end = 0;
-    for t in &tensors {
-        let start = end;
-        end += t.shape.iter().product::<usize>() * t.dtype.bitsize() / 8;
-        header.insert(t.name.into(), serde_json::json!({ "dtype": t.dtype, "shape": t.shape, "data_offsets": [start, end] }));
-    }
-    let mut header = serde_json::to_vec(&header)?;
-    header.resize(header.len().next_multiple_of(8), b' ');
-    saved_whole(path, |tmp| {
-        let mut w = std::io::BufWriter::new(std::fs::File::create(tmp).with_context(|| format!("cannot write {}", tmp.display()))?);
-        w.write_all(&(header.len() as u64).to_le_bytes())?;
-        w.write_all(&header)?;
-        for t in &tensors {
-            (t.write)(&mut w)?;
-        }
-        let written = w.into_inner().map_err(|e| e.into_error())?.metadata()?.len();
-        if written != (8 + header.len() + end) as u64 {
-            bail!("{}: wrote {written} bytes where the header promises {}: conversations of uneven widths", tmp.display(), 8 + header.len() + end);
-        }
-        Ok(())
-    })
-}
-
-/// A tensor of a file being written, its bytes written from the conversations as it is.
-struct Streamed<'a> {
-    name: &'static str,
-    dtype: safetensors::Dtype,
-    shape: Vec<usize>,
-    write: Box<dyn Fn(&mut dyn Write) -> std::io::Result<()> + 'a>,
-}
-
-impl<'a> Streamed<'a> {
-    fn ints(name: &'static str, len: usize, values: impl Fn() -> Vec<i64> + 'a) -> Streamed<'a> {
-        let write = Box::new(move |w: &mut dyn Write| values().iter().try_for_each(|v| w.write_all(&v.to_le_bytes())));
-        Streamed { name, dtype: safetensors::Dtype::I64, shape: vec![len], write }
-    }
-
-    /// `[rows, width]` of f16 values, each conversation's `part` in turn.
-    fn halves(name: &'static str, convs: &'a [Conversation], rows: usize, width: usize, part: fn(&Conversation) -> &[f16]) -> Streamed<'a> {
-        let write = Box::new(move |w: &mut dyn Write| {
-            for c in convs {
-                if cfg!(target_endian = "little") {
-                    w.write_all(bytemuck::cast_slice(part(c)))?;
-                } else {
-                    part(c).iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))?;
-                }
-            }
-            Ok(())
-        });
-        Streamed { name, dtype: safetensors::Dtype::F16, shape: vec![rows, width], write }
-    }
-}
-
-/// The conversations of a teacher-data file, their features and streams read in place from a mapping of it.
-pub fn load_teacher(path: &Path, hidden: usize) -> Result<Vec<Conversation>> {
-    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    // SAFETY: the file is only read while mapped, and teacher data is written whole to a new file and renamed over
-    // an old one (`saved_whole`), never changed in place.
-    let bytes = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot read {}", path.display()))?);
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", path.display()))?;
-    let damaged = |what: String| anyhow!("{}: {what}: the teacher data is damaged", path.display());
-    let tensor = |name: &str, dtype: safetensors::Dtype, dims: usize| -> Result<Option<safetensors::tensor::TensorView>> {
-        match st.tensor(name) {
-            Ok(t) if t.dtype() != dtype || t.shape().len() != dims => Err(damaged(format!("tensor {name} is {:?} {:?}, not {dims}-d {dtype:?}", t.dtype(), t.shape()))),
-            Ok(t) => Ok(Some(t)),
-            Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
-            Err(e) => Err(damaged(format!("tensor {name}: {e}"))),
-        }
-    };
-    let ints = |name: &str| -> Result<Vec<i64>> {
-        let t = tensor(name, safetensors::Dtype::I64, 1)?.ok_or_else(|| damaged(format!("no tensor {name}")))?;
-        Ok(t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect())
-    };
-    let (tokens, offsets, prompt_lens) = (ints("tokens")?, ints("offsets")?, ints("prompt_lens")?);
-    let features = tensor("features", safetensors::Dtype::F16, 2)?.ok_or_else(|| damaged("no tensor features".into()))?;
-    let layers = tensor("layers", safetensors::Dtype::F16, 2)?;
-    let rows = features.shape()[0];
-    if features.shape()[1] != hidden {
-        return Err(damaged(format!("features are {} wide, the target's hidden size is {hidden}", features.shape()[1])));
-    }
-    if offsets.first() != Some(&0) || offsets.last() != Some(&(tokens.len() as i64)) || offsets.windows(2).any(|w| w[1].checked_sub(w[0]).is_none_or(|n| n < 2)) || prompt_lens.len() + 1 != offsets.len() {
-        return Err(damaged("offsets or prompt lengths do not split the tokens into conversations of two tokens or more".into()));
-    }
-    if rows != tokens.len() + 1 - offsets.len() || layers.as_ref().is_some_and(|l| l.shape()[0] != rows) {
-        return Err(damaged(format!("{rows} rows of features for {} tokens in {} conversations", tokens.len(), offsets.len() - 1)));
-    }
-    if let Some(t) = tokens.iter().find(|&&t| u32::try_from(t).is_err()) {
-        return Err(damaged(format!("token {t}")));
-    }
-    // In place where the file's f16 data lies aligned in a little-endian machine's memory (safetensors aligns each
-    // tensor's data to its element size), else copied out.
-    let halves = |t: &safetensors::tensor::TensorView, rows: std::ops::Range<usize>| -> Halves {
-        let width = 2 * t.shape()[1];
-        let data = &t.data()[rows.start * width..rows.end * width];
-        if cfg!(target_endian = "little") && bytemuck::try_cast_slice::<u8, f16>(data).is_ok() {
-            let start = data.as_ptr() as usize - bytes.as_ptr() as usize;
-            return Halves::Mapped { file: bytes.clone(), start, len: data.len() / 2 };
-        }
-        Halves::Owned(data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect())
-    };
-    let mut out = Vec::with_capacity(prompt_lens.len());
-    let mut row = 0;
-    for (w, &prompt_len) in offsets.windows(2).zip(&prompt_lens) {
-        let (a, b) = (w[0] as usize, w[1] as usize);
-        let span = row..row + b - a - 1;
-        out.push(Conversation {
-            tokens: tokens[a..b].iter().map(|&t| t as u32).collect(),
-            prompt_len: usize::try_from(prompt_len).map_err(|_| damaged(format!("prompt length {prompt_len}")))?,
-            features: halves(&features, span.clone()),
-            layers: layers.as_ref().map(|l| halves(l, span.clone())).unwrap_or_default(),
-        });
-        row = span.end;
-    }
-    Ok(out)
-}
 
 /// Which head is trained.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -712,25 +267,6 @@ impl<'a> Weights<'a> {
             Some(e) => Ok(input.matmul(&e.lm_head.t()?)?),
         }
     }
-}
-
-/// EAGLE-3's draft vocabulary: the `size` ids the target's answers in `data` hold most often (ties to the lower
-/// id), in id order, as d2t needs them; when the answers hold fewer distinct ids, the lowest unused ones fill it.
-pub fn draft_vocabulary(data: &[Conversation], size: usize, vocab: usize) -> Result<KeepSet> {
-    if size == 0 || size > vocab {
-        bail!("--draft-vocab must be between 1 and the target's vocabulary of {vocab}, not {size}");
-    }
-    let mut counts = vec![0u64; vocab];
-    for c in data {
-        for &t in &c.tokens[c.prompt_len..] {
-            counts[t as usize] += 1;
-        }
-    }
-    let mut order: Vec<u32> = (0..vocab as u32).collect();
-    order.sort_by_key(|&t| std::cmp::Reverse(counts[t as usize]));
-    let mut ids = order[..size].to_vec();
-    ids.sort_unstable();
-    Ok(KeepSet { ids, vocab })
 }
 
 /// The frozen pieces of the target the head trains against.
