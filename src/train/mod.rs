@@ -285,29 +285,73 @@ fn dequantized(m: &crate::engine::cpu::tensor::Matrix) -> Result<Tensor> {
 /// Keys and values of each sequence of a pass, after RoPE: what later draft positions attend to.
 type Keys = Vec<(Tensor, Tensor)>;
 
-/// The head's layer outputs at rows fed `fed` with next-token embeddings `emb`, packed from sequences of `lens`,
-/// and their keys and values. With no `earlier` passes each row attends causally to its own sequence (the pass on
-/// true inputs); as unrolled step j = `earlier.len()` it attends as the j-th draft of a chain does
-/// (`attention_unrolled`).
-fn forward(d: &Config, w: &Weights, emb: &Tensor, fed: &Tensor, lens: &[usize], earlier: &[Keys]) -> Result<(Tensor, Keys)> {
+/// Which rows of a batch's packed sequences the passes compute. Each sequence's rows before its `start` feed only
+/// the first pass's keys and values, which every later row attends to: no loss reads their outputs, directly or
+/// through the unrolled steps fed from them. Skipping the rest of the layer there saves what prompts cost (four
+/// tenths of the EAGLE-3 head's later stages' rows, seven of ShareGPT follow-ups'); a start of 0 computes all.
+struct Packing {
+    lens: Vec<usize>,
+    starts: Vec<usize>,
+    /// The computed rows, as indices into all packed rows.
+    computed: Tensor,
+}
+
+impl Packing {
+    fn new(lens: Vec<usize>, starts: Vec<usize>) -> Result<Packing> {
+        let mut computed = Vec::new();
+        let mut offset = 0;
+        for (&n, &start) in lens.iter().zip(&starts) {
+            computed.extend((offset + start..offset + n).map(|r| r as u32));
+            offset += n;
+        }
+        let count = computed.len();
+        Ok(Packing { lens, starts, computed: Tensor::from_vec(computed, count, &Device::Cpu)? })
+    }
+
+    /// Every row of sequences of `lens` computed.
+    fn whole(lens: Vec<usize>) -> Result<Packing> {
+        let starts = vec![0; lens.len()];
+        Packing::new(lens, starts)
+    }
+
+    /// Each sequence's (first computed row, computed rows).
+    fn runs(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.starts.iter().zip(&self.lens).map(|(&start, &n)| (start, n - start))
+    }
+}
+
+/// The head's layer outputs at the computed rows of `p` and their keys and values, fed `fed` with next-token
+/// embeddings `emb`. The first pass (no `earlier` passes) is fed every row, keeps every row's keys and values, and
+/// each computed row attends causally to its own sequence; unrolled step j = `earlier.len()` is fed the computed
+/// rows only and attends as the j-th draft of a chain does (`attention_unrolled`).
+fn forward(d: &Config, w: &Weights, emb: &Tensor, fed: &Tensor, p: &Packing, earlier: &[Keys]) -> Result<(Tensor, Keys)> {
     let [q, k, v, o, norm, gate, up, down] = w.layer;
     let (h, attn_in) = w.layer_input(emb, fed, d.rms_eps as f64)?;
-    let (qs, ks, vs) = (attn_in.matmul(&q.t()?)?, attn_in.matmul(&k.t()?)?, attn_in.matmul(&v.t()?)?);
+    let (ks, vs) = (attn_in.matmul(&k.t()?)?, attn_in.matmul(&v.t()?)?);
+    let (h, attn_in) = if earlier.is_empty() { (h.index_select(&p.computed, 0)?, attn_in.index_select(&p.computed, 0)?) } else { (h, attn_in) };
+    let qs = attn_in.matmul(&q.t()?)?;
     let rope = Rope::halves(d.rope_theta as f64, d.head_dim);
-    let mut outs = Vec::with_capacity(lens.len());
-    let mut keys = Vec::with_capacity(lens.len());
-    let mut start = 0;
-    for (s, &n) in lens.iter().enumerate() {
-        let heads = |t: &Tensor, count: usize| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.reshape((n, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
-        let tables = rope.at(0, n, emb.device())?;
-        let (qh, kh, vh) = (ops::rope(&tables, &heads(&qs, d.heads)?)?, ops::rope(&tables, &heads(&ks, d.kv_heads)?)?, heads(&vs, d.kv_heads)?);
-        outs.push(if earlier.is_empty() {
-            attention(&qh, &kh, &vh, 0)?
+    let mut outs = Vec::with_capacity(p.lens.len());
+    let mut keys = Vec::with_capacity(p.lens.len());
+    let (mut q_row, mut kv_row) = (0, 0);
+    for (s, ((start, m), &n)) in p.runs().zip(&p.lens).enumerate() {
+        let heads = |t: &Tensor, from: usize, rows: usize, count: usize| -> Result<Tensor> { Ok(t.narrow(0, from, rows)?.reshape((rows, count, d.head_dim))?.transpose(0, 1)?.contiguous()?) };
+        let q_tables = rope.at(start, m, emb.device())?;
+        let qh = ops::rope(&q_tables, &heads(&qs, q_row, m, d.heads)?)?;
+        let (kh, vh) = if earlier.is_empty() {
+            let kv = (ops::rope(&rope.at(0, n, emb.device())?, &heads(&ks, kv_row, n, d.kv_heads)?)?, heads(&vs, kv_row, n, d.kv_heads)?);
+            kv_row += n;
+            kv
         } else {
-            attention_unrolled(&qh, &earlier.iter().map(|pass| pass[s].clone()).collect::<Vec<_>>(), &kh, &vh)?
+            (ops::rope(&q_tables, &heads(&ks, q_row, m, d.kv_heads)?)?, heads(&vs, q_row, m, d.kv_heads)?)
+        };
+        outs.push(if earlier.is_empty() {
+            attention(&qh, &kh, &vh, start)?
+        } else {
+            attention_unrolled(&qh, start, &earlier.iter().map(|pass| pass[s].clone()).collect::<Vec<_>>(), &kh, &vh)?
         });
         keys.push((kh, vh));
-        start += n;
+        q_row += m;
     }
     let attn = Tensor::cat(&outs, 0)?;
     let h = (h + attn.matmul(&o.t()?)?)?;
@@ -316,32 +360,36 @@ fn forward(d: &Config, w: &Weights, emb: &Tensor, fed: &Tensor, lens: &[usize], 
     Ok(((h + act.matmul(&down.t()?)?)?, keys))
 }
 
-/// Unrolled step j = `earlier.len()` after the pass fed `first`: each position after the first of its sequence is
-/// fed what step j − 1 computed one position earlier (not detached: the chain is trained through, as in EAGLE-3),
-/// the first keeps its true input. Returns the step's outputs and keys.
-fn unrolled_step(d: &Config, w: &Weights, emb: &Tensor, first: &Tensor, previous: &Tensor, earlier: &[Keys], lens: &[usize]) -> Result<(Tensor, Keys)> {
+/// Unrolled step j = `earlier.len()` after the first pass, at the computed rows (`first` and `emb` hold theirs):
+/// each computed row after the first of its sequence is fed what step j − 1 computed one position earlier (not
+/// detached: the chain is trained through, as in EAGLE-3), the first keeps its true input. Returns the step's
+/// outputs and keys.
+fn unrolled_step(d: &Config, w: &Weights, emb: &Tensor, first: &Tensor, previous: &Tensor, earlier: &[Keys], p: &Packing) -> Result<(Tensor, Keys)> {
     let rows = first.dims2()?.0;
     let mut index = Vec::with_capacity(rows);
-    for &n in lens {
+    for (_, m) in p.runs() {
         let start = index.len() as u32;
         index.push(start);
-        index.extend((start + 1..start + n as u32).map(|r| rows as u32 + r - 1));
+        index.extend((start + 1..start + m as u32).map(|r| rows as u32 + r - 1));
     }
     let pool = Tensor::cat(&[first, previous], 0)?;
     let fed = pool.index_select(&Tensor::from_vec(index, rows, first.device())?, 0)?;
-    forward(d, w, emb, &fed, lens, earlier)
+    forward(d, w, emb, &fed, p, earlier)
 }
 
-/// The layer outputs of the pass on true inputs (features for EAGLE-1, residual streams for EAGLE-3) and of
-/// `steps` unrolled steps after it, in order.
-fn passes(d: &Config, w: &Weights, emb: &Tensor, inputs: &Tensor, lens: &[usize], steps: usize) -> Result<Vec<Tensor>> {
+/// The layer outputs at the computed rows of the pass on true inputs (features for EAGLE-1, residual streams for
+/// EAGLE-3) and of `steps` unrolled steps after it, in order.
+fn passes(d: &Config, w: &Weights, emb: &Tensor, inputs: &Tensor, p: &Packing, steps: usize) -> Result<Vec<Tensor>> {
     let first = w.first_fed(inputs)?;
-    let (out, keys) = forward(d, w, emb, &first, lens, &[])?;
+    let (out, keys) = forward(d, w, emb, &first, p, &[])?;
     let (mut outs, mut earlier) = (vec![out], vec![keys]);
-    for _ in 0..steps {
-        let (next, keys) = unrolled_step(d, w, emb, &first, outs.last().expect("the first pass"), &earlier, lens)?;
-        outs.push(next);
-        earlier.push(keys);
+    if steps > 0 {
+        let (emb, first) = (emb.index_select(&p.computed, 0)?, first.index_select(&p.computed, 0)?);
+        for _ in 0..steps {
+            let (next, keys) = unrolled_step(d, w, &emb, &first, outs.last().expect("the first pass"), &earlier, p)?;
+            outs.push(next);
+            earlier.push(keys);
+        }
     }
     Ok(outs)
 }
@@ -436,15 +484,17 @@ struct Batch {
     /// What the head reads of the target at position i: the noisy true features f_i `[rows, H]` (EAGLE-1), or the
     /// residual streams entering its three layers `[rows, 3H]` (EAGLE-3, which trains on them as they are).
     inputs: Tensor,
-    lens: Vec<usize>,
+    packing: Packing,
+    /// The counted rows, as indices into the computed rows.
     counted: Tensor,
     /// Each counted row's position in its sequence: unrolled step j counts the rows at j or later.
     positions: Vec<usize>,
     teacher: Tensor,
 }
 
-fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, arch: Arch, noise: &mut ChaCha20Rng) -> Result<Batch> {
-    let (mut inputs, mut next_tokens, mut lens, mut counted, mut positions, mut teacher) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+/// The batch of `convs`; its passes compute each sequence's rows from `unroll` before the first counted one.
+fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, arch: Arch, unroll: usize, noise: &mut ChaCha20Rng) -> Result<Batch> {
+    let (mut inputs, mut next_tokens, mut lens, mut starts, mut counted, mut positions, mut teacher) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut row = 0u32;
     for c in convs {
         // Pairs (f_i, t_{i+1}) for i < n − 1; row i predicts f_{i+1}, known for i < n − 2, and counts when the token
@@ -456,15 +506,19 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, arch: Arch, no
             Arch::Eagle3 => inputs.extend(c.layers.iter().map(|x| x.to_f32())),
         }
         next_tokens.extend_from_slice(&c.tokens[1..]);
+        // Unrolled step j's row i is fed step j − 1's row i − 1: the first counted row's chain starts `unroll` rows
+        // before it.
+        let start = c.prompt_len.saturating_sub(2 + unroll).min(pairs - 1);
         for i in 0..pairs.saturating_sub(1) {
             if i + 2 >= c.prompt_len {
-                counted.push(row + i as u32);
+                counted.push(row + (i - start) as u32);
                 positions.push(i);
                 teacher.extend(c.features[(i + 1) * hidden..(i + 2) * hidden].iter().map(|x| x.to_f32()));
             }
         }
         lens.push(pairs);
-        row += pairs as u32;
+        starts.push(start);
+        row += (pairs - start) as u32;
     }
     let dev = Device::Cpu;
     let rows = next_tokens.len();
@@ -475,7 +529,7 @@ fn batch(convs: &[&Conversation], frozen: &Frozen, hidden: usize, arch: Arch, no
     Ok(Batch {
         emb,
         inputs,
-        lens,
+        packing: Packing::new(lens, starts)?,
         counted: Tensor::from_vec(counted, m, &dev)?,
         positions,
         teacher: Tensor::from_vec(teacher, (m, hidden), &dev)?,
@@ -555,7 +609,7 @@ fn objective(out: &Tensor, t: &Targets, w: &Weights, frozen: &Frozen, eps: f64, 
 fn loss(d: &Config, w: &[Tensor], frozen: &Frozen, b: &Batch, s: &TrainSettings) -> Result<(Tensor, StepLog)> {
     let (w, eps) = (Weights::of(w), d.rms_eps as f64);
     let t = Targets::new(b.counted.clone(), b.teacher.clone(), &frozen.head)?;
-    let outs = passes(d, &w, &b.emb, &b.inputs, &b.lens, s.unroll)?;
+    let outs = passes(d, &w, &b.emb, &b.inputs, &b.packing, s.unroll)?;
     let (mut total, mut log) = objective(&outs[0], &t, &w, frozen, eps, s)?;
     for (j, out) in outs.iter().enumerate().skip(1) {
         let (part, step_log) = objective(out, &t.from_position(&b.positions, j)?, &w, frozen, eps, s)?;
@@ -764,7 +818,7 @@ impl Trainer<'_> {
             let picked: Vec<&Conversation> = step_conversations(self.data.len(), s.batch, s.seed, step).into_iter().map(|i| &self.data[i]).collect();
             let mut noise = ChaCha20Rng::seed_from_u64(s.seed ^ 0x9e37_79b9_7f4a_7c15);
             noise.set_stream(step as u64);
-            let b = batch(&picked, &frozen, d.hidden, s.arch, &mut noise)?;
+            let b = batch(&picked, &frozen, d.hidden, s.arch, s.unroll, &mut noise)?;
             let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
             let (total, mut log) = loss(d, &w, &frozen, &b, s)?;
             let grads = total.backward()?;
@@ -782,7 +836,7 @@ impl Trainer<'_> {
         let d = &self.target.model.config;
         let frozen = self.frozen()?;
         let mut noise = ChaCha20Rng::seed_from_u64(0);
-        let b = batch(convs, &frozen, d.hidden, self.settings.arch, &mut noise)?;
+        let b = batch(convs, &frozen, d.hidden, self.settings.arch, self.settings.unroll, &mut noise)?;
         let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
         Ok(loss(d, &w, &frozen, &b, &self.settings)?.1)
     }
@@ -825,7 +879,7 @@ pub fn export(dir: &Path, state: &State, target: &Model, keep: Option<&KeepSet>)
 pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation) -> Result<Vec<f32>> {
     let (emb, inputs, w) = teacher_forced_inputs(target, state, conv)?;
     let (w, eps) = (Weights::of(&w), target.config.rms_eps as f64);
-    let (out, _) = forward(&target.config, &w, &emb, &w.first_fed(&inputs)?, &[conv.tokens.len() - 1], &[])?;
+    let (out, _) = forward(&target.config, &w, &emb, &w.first_fed(&inputs)?, &Packing::whole(vec![conv.tokens.len() - 1])?, &[])?;
     Ok(w.logits(&out, &dequantized(target.lm_head())?, eps)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
@@ -835,7 +889,7 @@ pub fn teacher_forced_logits(target: &Model, state: &State, conv: &Conversation)
 pub fn unrolled_outputs(target: &Model, state: &State, conv: &Conversation, steps: usize) -> Result<Vec<Vec<f32>>> {
     let (emb, inputs, w) = teacher_forced_inputs(target, state, conv)?;
     let w = Weights::of(&w);
-    let outs = passes(&target.config, &w, &emb, &inputs, &[conv.tokens.len() - 1], steps)?;
+    let outs = passes(&target.config, &w, &emb, &inputs, &Packing::whole(vec![conv.tokens.len() - 1])?, steps)?;
     outs[1..].iter().map(|o| Ok(w.head_input(o, target.config.rms_eps as f64)?.flatten_all()?.to_vec1::<f32>()?)).collect()
 }
 
@@ -849,4 +903,95 @@ fn teacher_forced_inputs(target: &Model, state: &State, conv: &Conversation) -> 
     let width = read.len() / n;
     let inputs = Tensor::from_vec(read, (n, width), &Device::Cpu)?;
     Ok((emb, inputs, state.vars.iter().map(|v| v.as_tensor().clone()).collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::cpu::model::RopeStyle;
+    use half::f16;
+
+    fn config() -> Config {
+        Config {
+            architecture: "llama".into(),
+            hidden: 32,
+            intermediate: 48,
+            layers: 8,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            vocab: 64,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            context_length: 256,
+            tied_embeddings: true,
+        }
+    }
+
+    fn random(rng: &mut ChaCha20Rng, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+    }
+
+    /// Conversations of `(tokens, prompt length)`: prompts shorter than the chain, as long as it and much longer.
+    fn conversations(d: &Config, arch: Arch, rng: &mut ChaCha20Rng) -> Vec<Conversation> {
+        [(9, 1), (12, 3), (20, 14), (30, 24), (17, 16)]
+            .into_iter()
+            .map(|(n, prompt_len)| {
+                let rows = n - 1;
+                let halves = |v: Vec<f32>| Halves::Owned(v.into_iter().map(f16::from_f32).collect());
+                let layers = if arch == Arch::Eagle3 { halves(random(rng, rows * 3 * d.hidden, 1.0)) } else { Halves::default() };
+                Conversation { tokens: (0..n).map(|_| rng.random_range(0..d.vocab as u32)).collect(), prompt_len, features: halves(random(rng, rows * d.hidden, 1.0)), layers }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn skipping_the_rows_before_each_chain_changes_neither_loss_nor_gradients() {
+        let d = config();
+        for (arch, unroll) in [(Arch::Eagle1, 0), (Arch::Eagle1, 2), (Arch::Eagle3, 2), (Arch::Eagle3, 3)] {
+            let mut rng = ChaCha20Rng::seed_from_u64(7);
+            let frozen = Frozen {
+                embedding: Tensor::from_vec(random(&mut rng, d.vocab * d.hidden, 1.0), (d.vocab, d.hidden), &Device::Cpu).unwrap(),
+                head: Tensor::from_vec(random(&mut rng, d.vocab * d.hidden, 1.0), (d.vocab, d.hidden), &Device::Cpu).unwrap(),
+            };
+            // The initial layer is nearly silent; larger weights make attention matter.
+            let weights: Vec<Tensor> = initial(&d, arch, 3, &vec![1.0; d.hidden], &frozen.head)
+                .unwrap()
+                .into_iter()
+                .enumerate()
+                .map(|(i, w)| if (1..=8).contains(&i) { (w * 10.0).unwrap() } else { w })
+                .collect();
+            let state = State::fresh(arch, weights).unwrap();
+            let (feature_weight, classification_weight) = arch.loss_weights();
+            let s = TrainSettings { steps: 1, seed: 0, batch: 5, lr: 1e-3, warmup: 0, weight_decay: 0.0, checkpoint_every: 1, classification_weight, feature_weight, unroll, unroll_decay: EAGLE3_UNROLL_DECAY, arch, draft_vocab: 0 };
+            let convs = conversations(&d, arch, &mut rng);
+            let picked: Vec<&Conversation> = convs.iter().collect();
+            let skipping = batch(&picked, &frozen, d.hidden, arch, unroll, &mut ChaCha20Rng::seed_from_u64(1)).unwrap();
+            let every_row = Batch {
+                counted: skipping.packing.computed.index_select(&skipping.counted, 0).unwrap(),
+                packing: Packing::whole(skipping.packing.lens.clone()).unwrap(),
+                emb: skipping.emb.clone(),
+                inputs: skipping.inputs.clone(),
+                positions: skipping.positions.clone(),
+                teacher: skipping.teacher.clone(),
+            };
+            let rows = |b: &Batch| b.packing.computed.dims1().unwrap();
+            assert!(4 * rows(&skipping) < 3 * rows(&every_row), "{arch:?}: {} of {} rows computed", rows(&skipping), rows(&every_row));
+            let w: Vec<Tensor> = state.vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let (a, log_a) = loss(&d, &w, &frozen, &skipping, &s).unwrap();
+            let (b, log_b) = loss(&d, &w, &frozen, &every_row, &s).unwrap();
+            assert!((log_a.loss - log_b.loss).abs() <= 1e-5 * log_b.loss.abs(), "{arch:?} unroll {unroll}: loss {} against {}", log_a.loss, log_b.loss);
+            assert_eq!((log_a.top1, &log_a.unrolled_top1, log_a.positions), (log_b.top1, &log_b.unrolled_top1, log_b.positions));
+            assert_eq!(log_a.unrolled_top1.len(), unroll);
+            let (ga, gb) = (a.backward().unwrap(), b.backward().unwrap());
+            for (key, v) in arch.keys().iter().zip(&state.vars) {
+                let (x, y) = (ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
+                let scale = y.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let diff = (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(scale > 0.0 && diff <= 1e-4 * scale, "{arch:?} unroll {unroll}, {key}: gradients differ by {diff} (largest {scale})");
+            }
+        }
+    }
 }

@@ -128,15 +128,18 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, start: usize) -> Result<Ten
     Ok(p.matmul(&v)?.transpose(0, 1)?.reshape((n, heads * d))?)
 }
 
-/// Attention of draft step j = `earlier.len()` of a chain unrolled along a sequence (EAGLE-3's training-time test):
-/// query row i stands for the j-th draft after the true-feature row i − j, so it attends, as drafting does, to the
-/// true-feature rows 0..=i − j (`earlier[0]`), to the row each step 0 < k < j computed in the same chain (row
-/// i − j + k of `earlier[k]`) and to its own row `k_own`, `v_own`. Keys and values `[kv_heads, n, d]`, queries
-/// `[heads, n, d]`; returns `[n, heads · d]`. Rows i < j have no such chain; they are computed and never counted.
-pub fn attention_unrolled(q: &Tensor, earlier: &[(Tensor, Tensor)], k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
+/// Attention of draft step j = `earlier.len()` of a chain unrolled along a sequence (EAGLE-3's training-time test),
+/// at the sequence's rows from `start` on: query row i stands for the j-th draft after the true-feature row i − j,
+/// so it attends, as drafting does, to the true-feature rows 0..=i − j (`earlier[0]`, every row of the sequence), to
+/// the row each step 0 < k < j computed in the same chain (row i − j + k of `earlier[k]`, whose rows start at
+/// `start` too) and to its own row `k_own`, `v_own`. Keys and values `[kv_heads, rows, d]`, queries
+/// `[heads, n, d]`; returns `[n, heads · d]`. Rows whose chain reaches before `start` (or before the sequence: i < j)
+/// have no such chain; they are computed and never counted.
+pub fn attention_unrolled(q: &Tensor, start: usize, earlier: &[(Tensor, Tensor)], k_own: &Tensor, v_own: &Tensor) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
     let j = earlier.len();
     let (k0, v0) = (grouped(&earlier[0].0, heads)?, grouped(&earlier[0].1, heads)?);
+    let block = k0.dim(1)?;
     let mut scores = vec![q.matmul(&k0.t()?)?];
     // The chain's own rows, moved down so that row i holds the one query i attends to.
     let chain = earlier[1..].iter().enumerate().map(|(k, (kk, vv))| (kk, vv, j - 1 - k)).chain(std::iter::once((k_own, v_own, 0)));
@@ -147,10 +150,10 @@ pub fn attention_unrolled(q: &Tensor, earlier: &[(Tensor, Tensor)], k_own: &Tens
         values.push(grouped(&shifted_down(vv, shift)?, heads)?);
     }
     // Row i sees the true-feature rows 0..=i − j and every chain column.
-    let p = masked_softmax(&Tensor::cat(&scores, 2)?, d, Seen { block: n, offset: 1 - j as isize })?;
-    let mut out = p.narrow(2, 0, n)?.matmul(&v0)?;
+    let p = masked_softmax(&Tensor::cat(&scores, 2)?, d, Seen { block, offset: start as isize + 1 - j as isize })?;
+    let mut out = p.narrow(2, 0, block)?.matmul(&v0)?;
     for (k, v) in values.iter().enumerate() {
-        out = (out + p.narrow(2, n + k, 1)?.broadcast_mul(v)?)?;
+        out = (out + p.narrow(2, block + k, 1)?.broadcast_mul(v)?)?;
     }
     Ok(out.transpose(0, 1)?.reshape((n, heads * d))?)
 }
