@@ -362,8 +362,8 @@ fn forward(d: &Config, w: &Weights, emb: &Tensor, fed: &Tensor, p: &Packing, ear
 
 /// Unrolled step j = `earlier.len()` after the first pass, at the computed rows (`first` and `emb` hold theirs):
 /// each computed row after the first of its sequence is fed what step j − 1 computed one position earlier (not
-/// detached: the chain is trained through, as in EAGLE-3), the first keeps its true input. Returns the step's
-/// outputs and keys.
+/// detached: the chain is trained through, as in EAGLE-3), the first keeps its true input (past a sequence's first
+/// row, one that no counted row depends on at this step). Returns the step's outputs and keys.
 fn unrolled_step(d: &Config, w: &Weights, emb: &Tensor, first: &Tensor, previous: &Tensor, earlier: &[Keys], p: &Packing) -> Result<(Tensor, Keys)> {
     let rows = first.dims2()?.0;
     let mut index = Vec::with_capacity(rows);
