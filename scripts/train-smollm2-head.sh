@@ -34,7 +34,8 @@
 # 4,120 s), +0.044, 1.695; then one epoch over all those and EAGLE-1's Brown data (2,400 prompts answered in
 # 1,033 s, 1,500 continuations read in 562 s; 3,875 steps in 5,416 s), +0.090, 1.785; then a second epoch over the
 # same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862. Packed in Q8_0 (frspec pack-head); each
-# stage from the third starts from the head before packed, as shipped and measured.
+# stage from the third starts from the head before packed, as shipped and measured. Since 2026-12-06 a step over
+# those stages' data takes ≈ 0.8 of its time then (results/train/training-speed-2026-12-06.md).
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
