@@ -7,7 +7,7 @@
 //! tokens reproduces k+1 single-token steps bit for bit (tested).
 
 use crate::engine::cpu::exp::exp_in_place;
-use crate::engine::cpu::tensor::{dot, pool, weighted_rows, Matrix, MatmulScratch};
+use crate::engine::cpu::tensor::{dots_strided, pool, weighted_rows, Matrix, MatmulScratch};
 use crate::loading::weights::{Gguf, Safetensors, WeightSource};
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
@@ -166,11 +166,11 @@ impl Geometry {
     fn attend(&self, q: &[f32], kv: &LayerCache, visible: usize, kv_head: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
         let (d, kvd) = (self.head_dim, self.kv_width());
         let scale = 1.0 / (d as f32).sqrt();
-        let at = |j: usize| j * kvd + kv_head * d..j * kvd + (kv_head + 1) * d;
         scores.resize(visible, 0.0);
+        dots_strided(q, &kv.keys[kv_head * d..], kvd, scores);
         let mut max = f32::NEG_INFINITY;
-        for (j, s) in scores.iter_mut().enumerate() {
-            *s = dot(q, &kv.keys[at(j)]) * scale;
+        for s in scores.iter_mut() {
+            *s *= scale;
             max = max.max(*s);
         }
         scores.iter_mut().for_each(|s| *s -= max);

@@ -589,6 +589,20 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dots_f32::<1>(Kernel::detect(), a, b)[0]
 }
 
+/// `out[j] = dot(q, rows[j · stride..][..q.len()])`, the same bits as `dot` each: attention's scores, one query
+/// against a cache's keys. The vector version takes four keys at a time on independent accumulators; one at a time, a
+/// 64-wide dot waited on its own additions (a fifth of the time the target spends answering long prompts).
+pub fn dots_strided(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    assert!(out.is_empty() || (out.len() - 1) * stride + q.len() <= rows.len());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(Kernel::detect(), Kernel::Avx2 | Kernel::Avx512) {
+        // SAFETY: both kernels are only chosen when the CPU reports avx2, fma and f16c (`Kernel::available`); the
+        // bounds are checked above.
+        return unsafe { avx2::dots_strided(q, rows, stride, out) };
+    }
+    out.iter_mut().enumerate().for_each(|(j, o)| *o = dot(q, &rows[j * stride..j * stride + q.len()]));
+}
+
 /// `out[i] = Σ_j weights[j] · rows[j · stride + i]` over j in order, each term multiplied and then added (two
 /// roundings, from +0), as a plain loop computes it: attention's probability-weighted values. The vector version keeps
 /// 64 sums in registers over all rows; the plain loop, compiled for the baseline's 4-lane vectors, loaded and stored
@@ -597,10 +611,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn weighted_rows(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     assert!(weights.is_empty() || (weights.len() - 1) * stride + out.len() <= rows.len());
     #[cfg(target_arch = "x86_64")]
-    if matches!(Kernel::detect(), Kernel::Avx2 | Kernel::Avx512) {
-        // SAFETY: both kernels are only chosen when the CPU reports avx2 (`Kernel::available`); the bounds are
+    match Kernel::detect() {
+        // SAFETY: each kernel is only chosen when the CPU reports its features (`Kernel::available`); the bounds are
         // checked above.
-        return unsafe { avx2::weighted_rows(weights, rows, stride, out) };
+        Kernel::Avx512 => return unsafe { avx512::weighted_rows(weights, rows, stride, out) },
+        Kernel::Avx2 => return unsafe { avx2::weighted_rows(weights, rows, stride, out) },
+        Kernel::Scalar => {}
     }
     weighted_rows_scalar(weights, rows, stride, out)
 }
@@ -844,6 +860,41 @@ mod avx2 {
             }
             s
         })
+    }
+
+    /// `super::dots_strided`: `dots_dense::<1>`'s operations for each row, four rows at a time.
+    ///
+    /// # Safety
+    /// On a CPU with avx2, fma and f16c; `rows` reaches `(out.len() − 1) · stride + q.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_strided(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let n = q.len();
+        let mut j = 0;
+        while j + 4 <= out.len() {
+            let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+            let mut i = 0;
+            while i + 16 <= n {
+                let (q0, q1) = (_mm256_loadu_ps(q.as_ptr().add(i)), _mm256_loadu_ps(q.as_ptr().add(i + 8)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xp = rows.as_ptr().add((j + r) * stride + i);
+                    a[0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xp), a[0]);
+                    a[1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xp.add(8)), a[1]);
+                }
+                i += 16;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let row = &rows[(j + r) * stride..];
+                let mut s = hsum(_mm256_add_ps(a[0], a[1]));
+                for t in i..n {
+                    s += q[t] * row[t];
+                }
+                out[j + r] = s;
+            }
+            j += 4;
+        }
+        for (r, o) in out.iter_mut().enumerate().skip(j) {
+            *o = dots_dense::<1>(n, &rows[r * stride..r * stride + n], |i| _mm256_loadu_ps(q.as_ptr().add(i)), |i| q[i])[0];
+        }
     }
 
     /// `super::weighted_rows`, 64 columns at a time in 8 registers (then 8 at a time, then one by one).
@@ -1317,6 +1368,41 @@ mod avx512 {
     use half::f16;
     use std::arch::x86_64::*;
 
+    /// `super::weighted_rows` with 16-lane registers, 64 columns at a time in 4 (then 16 at a time, then the AVX2
+    /// version's 8 and the scalar loop): each column's sum is its own lane, so the bits are the AVX2 version's.
+    ///
+    /// # Safety
+    /// On a CPU with avx512f and avx2; `rows` reaches `(weights.len() − 1) · stride + out.len()`.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub unsafe fn weighted_rows(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let mut c = 0;
+        while c + 64 <= out.len() {
+            weighted_columns::<4>(weights, rows, stride, &mut out[c..], c);
+            c += 64;
+        }
+        while c + 16 <= out.len() {
+            weighted_columns::<1>(weights, rows, stride, &mut out[c..], c);
+            c += 16;
+        }
+        super::avx2::weighted_rows(weights, &rows[c..], stride, &mut out[c..]);
+    }
+
+    /// Columns `c..c + 16K` of `weighted_rows` into `out[..16K]`, their sums held in K registers over all rows.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn weighted_columns<const K: usize>(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32], c: usize) {
+        let mut sums = [_mm512_setzero_ps(); K];
+        for (j, &w) in weights.iter().enumerate() {
+            let (w, v) = (_mm512_set1_ps(w), rows.as_ptr().add(j * stride + c));
+            for (k, sum) in sums.iter_mut().enumerate() {
+                *sum = _mm512_add_ps(*sum, _mm512_mul_ps(w, _mm512_loadu_ps(v.add(16 * k))));
+            }
+        }
+        for (k, sum) in sums.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * k), *sum);
+        }
+    }
+
     /// An f16 in every lane. Converting a broadcast keeps the scale off the accumulators: a scalar conversion
     /// (`to_f32`) let the compiler merge into a register holding an accumulator, which chained every block to the
     /// one before (a third slower).
@@ -1511,12 +1597,12 @@ mod tests {
         }
     }
 
-    /// Attention's weighted values: the vector version gives the plain loop's bits, for 64-, 8- and 1-column
+    /// Attention's weighted values: the vector versions give the plain loop's bits, for 64-, 16-, 8- and 1-column
     /// pieces, no rows and a row stride wider than the columns (and the values tell two roundings from one).
     #[test]
     fn weighted_rows_give_the_plain_loops_bits() {
         let mut rng = ChaCha8Rng::seed_from_u64(13);
-        for (n, cols, stride) in [(1, 64, 64), (37, 75, 192), (5, 3, 7), (0, 16, 16)] {
+        for (n, cols, stride) in [(1, 64, 64), (37, 75, 192), (37, 91, 192), (5, 3, 7), (0, 16, 16)] {
             let weights: Vec<f32> = (0..n).map(|_| rng.random_range(0.0..1.0)).collect();
             let rows: Vec<f32> = (0..n.max(1) * stride).map(|_| rng.random_range(-3.0..3.0)).collect();
             let mut plain = vec![f32::NAN; cols];
@@ -1526,6 +1612,21 @@ mod tests {
             assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{n} rows of {cols}");
             let fused = (0..cols).map(|i| (0..n).fold(0f32, |o, j| weights[j].mul_add(rows[j * stride + i], o)));
             assert!(n < 2 || fused.zip(&plain).any(|(f, p)| f != *p), "the case cannot tell two roundings from one");
+        }
+    }
+
+    /// Attention's scores: each of a query's dots with strided keys has `dot`'s bits, four keys at a time and the
+    /// rest one by one, for head widths with and without a tail past 16 lanes.
+    #[test]
+    fn strided_dots_give_dots_bits() {
+        let mut rng = ChaCha8Rng::seed_from_u64(17);
+        for (keys, d, stride) in [(0, 64, 192), (1, 64, 192), (7, 64, 192), (37, 75, 80), (9, 5, 5)] {
+            let q: Vec<f32> = (0..d).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let rows: Vec<f32> = (0..keys * stride + d).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let mut got = vec![f32::NAN; keys];
+            dots_strided(&q, &rows, stride, &mut got);
+            let want: Vec<u32> = (0..keys).map(|j| dot(&q, &rows[j * stride..j * stride + d]).to_bits()).collect();
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{keys} keys of {d}");
         }
     }
 
