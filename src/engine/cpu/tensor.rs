@@ -838,17 +838,18 @@ mod avx2 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
     }
 
-    /// Plain rows: two accumulators per activation row over 16-element steps, then a scalar tail.
+    /// Plain rows: two accumulators per activation row over 16-element steps, then a scalar tail. Activation row j
+    /// starts at `x[j · stride]` (`stride` ≥ n: consecutive rows, or a cache's keys).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_dense<const N: usize>(n: usize, x: &[f32], load: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> [f32; N] {
+    unsafe fn dots_dense<const N: usize>(n: usize, x: &[f32], stride: usize, load: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> [f32; N] {
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         let mut i = 0;
         while i + 16 <= n {
             let w0 = load(i);
             let w1 = load(i + 8);
             for (j, a) in acc.iter_mut().enumerate() {
-                let xp = x.as_ptr().add(j * n + i);
+                let xp = x.as_ptr().add(j * stride + i);
                 a[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), a[0]);
                 a[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), a[1]);
             }
@@ -857,44 +858,25 @@ mod avx2 {
         std::array::from_fn(|j| {
             let mut s = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
             for t in i..n {
-                s += at(t) * x[j * n + t];
+                s += at(t) * x[j * stride + t];
             }
             s
         })
     }
 
-    /// `super::dots_strided`: `dots_dense::<1>`'s operations for each row, four rows at a time.
+    /// `super::dots_strided`: `dots_dense` over the strided rows, four at a time.
     ///
     /// # Safety
     /// On a CPU with avx2, fma and f16c; `rows` reaches `(out.len() − 1) · stride + q.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_strided(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-        let n = q.len();
-        let mut j = 0;
-        while j + 4 <= out.len() {
-            let mut acc = [[_mm256_setzero_ps(); 2]; 4];
-            let mut i = 0;
-            while i + 16 <= n {
-                let (q0, q1) = (_mm256_loadu_ps(q.as_ptr().add(i)), _mm256_loadu_ps(q.as_ptr().add(i + 8)));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let xp = rows.as_ptr().add((j + r) * stride + i);
-                    a[0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xp), a[0]);
-                    a[1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xp.add(8)), a[1]);
-                }
-                i += 16;
-            }
-            for (r, a) in acc.iter().enumerate() {
-                let row = &rows[(j + r) * stride..];
-                let mut s = hsum(_mm256_add_ps(a[0], a[1]));
-                for t in i..n {
-                    s += q[t] * row[t];
-                }
-                out[j + r] = s;
-            }
-            j += 4;
+        let (n, load, at) = (q.len(), |i: usize| _mm256_loadu_ps(q.as_ptr().add(i)), |i: usize| q[i]);
+        let done = out.len() / 4 * 4;
+        for (j, o) in out[..done].chunks_exact_mut(4).enumerate() {
+            o.copy_from_slice(&dots_dense::<4>(n, &rows[4 * j * stride..], stride, load, at));
         }
-        for (r, o) in out.iter_mut().enumerate().skip(j) {
-            *o = dots_dense::<1>(n, &rows[r * stride..r * stride + n], |i| _mm256_loadu_ps(q.as_ptr().add(i)), |i| q[i])[0];
+        for (r, o) in out.iter_mut().enumerate().skip(done) {
+            *o = dots_dense::<1>(n, &rows[r * stride..], stride, load, at)[0];
         }
     }
 
@@ -934,7 +916,7 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_f32<const N: usize>(w: &[f32], x: &[f32]) -> [f32; N] {
-        dots_dense::<N>(w.len(), x, |i| _mm256_loadu_ps(w.as_ptr().add(i)), |i| w[i])
+        dots_dense::<N>(w.len(), x, w.len(), |i| _mm256_loadu_ps(w.as_ptr().add(i)), |i| w[i])
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -942,6 +924,7 @@ mod avx2 {
         dots_dense::<N>(
             w.len(),
             x,
+            w.len(),
             |i| _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i) as *const __m128i)),
             |i| to_f32(w[i]),
         )
