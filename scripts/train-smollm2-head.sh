@@ -33,9 +33,11 @@
 # target writes itself (Magpie, as EAGLE-1's first stage; 720 s of requests and 1,269 s of answers; 2,900 steps in
 # 4,120 s), +0.044, 1.695; then one epoch over all those and EAGLE-1's Brown data (2,400 prompts answered in
 # 1,033 s, 1,500 continuations read in 562 s; 3,875 steps in 5,416 s), +0.090, 1.785; then a second epoch over the
-# same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862. Packed in Q8_0 (frspec pack-head); each
+# same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862; then one epoch over all of it and 6,633
+# ShareGPT follow-ups (users' later requests with the turns before them; ≈ 1.0 s each to answer alone, 5,533 steps
+# in ≈ 6,900 s at ≈ 1.25 s), +0.102, 1.964. Packed in Q8_0 (frspec pack-head); each
 # stage from the third starts from the head before packed, as shipped and measured. Since 2026-12-06 a step over
-# those stages' data takes ≈ 0.8 of its time then (results/train/training-speed-2026-12-06.md).
+# the seventh stage's data takes ≈ 0.8 of its time then (the eighth ran so) (results/train/training-speed-2026-12-06.md).
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
@@ -53,7 +55,7 @@ shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
 [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
-# EAGLE-1's recipe has four stages, EAGLE-3's seven; each after the first starts from the head before with fresh
+# EAGLE-1's recipe has four stages, EAGLE-3's eight; each after the first starts from the head before with fresh
 # optimizer moments and a schedule of its own (--init-from).
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
@@ -61,12 +63,13 @@ case $arch in
           second=(--prompts 0 --sharegpt 8800); second_name=sg8800-2ep-q8-fullvocab
           second_steps=4400; second_activations=q8
           # Two more epochs, one stage each, with the training-time test.
-          later=(--unroll 2); later_stages=("tt2-1ep 0 0 8800 0" "tt2-2ep 0 0 8800 0") ;;
+          later=(--unroll 2); later_stages=("tt2-1ep 0 0 8800 0 0" "tt2-2ep 0 0 8800 0 0") ;;
   eagle3) run="$cache/train/smollm2-135m-eagle3-sg2400-u2-4ep"
           recipe=(--arch eagle3 --draft-vocab 8192 --prompts 0 --sharegpt 2400 --unroll 2); steps=2400
           second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200
           later=(--arch eagle3 --draft-vocab 8192 --unroll 2)
-          later_stages=("sg3600-q8 0 0 3600 0" "sg8800-q8 0 0 8800 0" "sg8800-sp2800-q8 0 0 8800 2800" "p2400-c1500-q8 2400 1500 8800 2800" "p2400-c1500-q8-2ep 2400 1500 8800 2800") ;;
+          later_stages=("sg3600-q8 0 0 3600 0 0" "sg8800-q8 0 0 8800 0 0" "sg8800-sp2800-q8 0 0 8800 2800 0" "p2400-c1500-q8 2400 1500 8800 2800 0"
+                        "p2400-c1500-q8-2ep 2400 1500 8800 2800 0" "fu6633-q8 2400 1500 8800 2800 6633") ;;
 esac
 start=$(date +%s)
 train() {
@@ -79,9 +82,10 @@ run=$first-$second_name
 FRSPEC_ACTIVATIONS=$second_activations train --out "$run" --lr 3e-4 --warmup 20 --steps "$second_steps" "${second[@]}" --init-from "$first"
 # Later stages answer with 8-bit activations. Each takes over the stage before's answers (--teacher-from) where they
 # are its requests made so; EAGLE-3's first later stage makes its own (more requests; its stages before had f32).
-# A later stage: its name, then its Brown prompts, continuations, ShareGPT requests and self-prompted requests.
+# A later stage: its name, then its Brown prompts, continuations, ShareGPT requests, self-prompted requests and
+# ShareGPT follow-ups (later requests with the turns before them).
 for stage in "${later_stages[@]}"; do
-  read -r name prompts continuations requests self_prompts <<< "$stage"
+  read -r name prompts continuations requests self_prompts follow_ups <<< "$stage"
   previous=$run
   run=$previous-$name
   teacher=(--teacher-from "$previous")
@@ -93,8 +97,9 @@ for stage in "${later_stages[@]}"; do
     if [ "$previous" = "$first-$second_name" ]; then teacher=(); fi
   fi
   # One epoch over the stage's conversations, four a step.
-  FRSPEC_ACTIVATIONS=q8 train --out "$run" --lr 3e-4 --warmup 20 --steps $(((prompts + continuations + requests + self_prompts) / 4)) \
-    --prompts "$prompts" --continuations "$continuations" --sharegpt "$requests" --self-prompts "$self_prompts" "${later[@]}" \
+  FRSPEC_ACTIVATIONS=q8 train --out "$run" --lr 3e-4 --warmup 20 --steps $(((prompts + continuations + requests + self_prompts + follow_ups) / 4)) \
+    --prompts "$prompts" --continuations "$continuations" --sharegpt "$requests" --self-prompts "$self_prompts" \
+    --sharegpt-follow-ups "$follow_ups" "${later[@]}" \
     --init-from "$init" "${teacher[@]}"
 done
 echo "recipe wall time: $(( $(date +%s) - start )) s"
