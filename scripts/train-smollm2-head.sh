@@ -36,8 +36,9 @@
 # same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862; then one epoch over all of it and 6,633
 # ShareGPT follow-ups (users' later requests with the turns before them; ≈ 1.0 s each to answer alone, 5,533 steps
 # in ≈ 6,900 s at ≈ 1.25 s), +0.102, 1.964. Packed in Q8_0 (frspec pack-head); each
-# stage from the third starts from the head before packed, as shipped and measured. Since 2026-12-06 a step over
-# the seventh stage's data takes ≈ 0.8 of its time then (the eighth ran so) (results/train/training-speed-2026-12-06.md).
+# stage from the third starts from the head before packed, as shipped and measured. Since 2026-12-06, when the
+# eighth stage ran, a step over the seventh stage's data takes ≈ 0.8 of its time then
+# (results/train/training-speed-2026-12-06.md).
 # Usage: scripts/train-smollm2-head.sh [eagle1|eagle3] [path to a frspec binary] [more train-eagle flags for the first
 #        stage, e.g. --teacher-from DIR]
 set -euo pipefail
