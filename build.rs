@@ -7,7 +7,9 @@ fn main() {
         cuda_kernels();
     }
     println!("cargo:rerun-if-changed=Cargo.lock");
-    for git in [".git/HEAD", ".git/refs/heads", ".git/packed-refs"] {
+    // Only paths that exist: cargo reruns a build script every time for a missing one, and with it recompiles the
+    // crate (a checkout without .git/packed-refs rebuilt frspec on every cargo command).
+    for git in [".git/HEAD", ".git/refs/heads", ".git/packed-refs"].into_iter().filter(|p| std::path::Path::new(p).exists()) {
         println!("cargo:rerun-if-changed={git}");
     }
     let commit = std::process::Command::new("git")
