@@ -172,6 +172,30 @@ pub fn dots_rows_scalar<const N: usize, B: IntBlock>(w: &[B], nb: usize, a: &Q8V
     }
 }
 
+/// Blocks ahead of the one being multiplied that `prefetch_ahead` asks for (2 and 8 were slower).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_AHEAD: usize = 4;
+
+/// Asks for block `b + PREFETCH_AHEAD` of each of a kernel's rows (`rows[r]`: a group of consecutive rows of `nb`
+/// blocks of `size` bytes) while block b is multiplied; past a row's end, for the same blocks of the group that
+/// follows (the next rows in memory, which the kernel multiplies next). A kernel reads its 8 or 16 rows side by
+/// side, a block of each at a time: as many streams, each a few hundred bytes long (18 blocks at SmolLM2's 576
+/// columns), and a decode step's weights come from memory (a SmolLM2 forward reads 97 MB of Q8_0 weights, three
+/// times a Zen 4's L3): without asking, the AVX-512 kernel took 9–12 ms for SmolLM2's LM head at 16 activation
+/// rows, 5.5 ms with (`results/bench/prefetch-2026-12-06.md`). Only for a tile's first group of
+/// activation rows: the groups after it find the tile in cache, and asking again only cost instructions (≈ 8%
+/// slower at 1,024 activation rows). Prefetches never fault, so the addresses past the matrix's end need no care.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_ahead(rows: &[*const u8], b: usize, nb: usize, size: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = b + PREFETCH_AHEAD;
+    let offset = if ahead < nb { ahead * size } else { (rows.len() * nb + ahead - nb) * size };
+    for r in rows {
+        _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(offset) as *const i8);
+    }
+}
+
 /// How a block type's bytes are laid out, for gathering the same block of several rows into vectors.
 #[cfg(target_arch = "x86_64")]
 pub trait VectorBlock: IntBlock {
@@ -206,7 +230,7 @@ impl VectorBlock for BlockQ8_0 {
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
-    use super::{Q8View, VectorBlock, QK};
+    use super::{prefetch_ahead, Q8View, VectorBlock, QK};
     use std::arch::x86_64::*;
 
     /// Weight rows times N activation rows, as `dots_rows_scalar` and to its bits: 16 weight rows at a time, one
@@ -216,13 +240,14 @@ pub mod avx512 {
     /// needed its own conversion and scaling). The last rows fill fewer lanes (masked), with the same arithmetic.
     /// The bytes reach their lanes through 16-byte loads and a transpose (`words`), as in the AVX2 kernel, not
     /// through `vpgatherdd`: on a Zen 4 the five gathers a block made the head's product at one activation row
-    /// 4× slower (`results/bench/cpu-main-job-batch-2026-12-05.md`).
+    /// 4× slower (`results/bench/cpu-main-job-batch-2026-12-05.md`). `cold`: the rows come from memory, not
+    /// cache (`prefetch_ahead`).
     ///
     /// # Safety
     /// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c; `w` is whole rows of `nb` blocks,
     /// `a` holds N rows of `nb` blocks and `out` reaches `(N − 1) · stride + rows`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+    pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
         const { assert!(N <= 16, "each_row below writes out 16 activation rows") };
         let rows = w.len() / nb;
         let size = std::mem::size_of::<B>();
@@ -237,6 +262,9 @@ pub mod avx512 {
             let mut acc = [_mm512_setzero_ps(); N];
             for b in 0..nb {
                 let at = b * size;
+                if cold {
+                    prefetch_ahead(&group, b, nb, size);
+                }
                 // Every block type is at least 16 bytes from its header and from its values on.
                 let header = words(&group, at + B::HEADER)[0];
                 let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header));
@@ -304,7 +332,7 @@ pub mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
-    use super::{Q8View, VectorBlock, QK};
+    use super::{prefetch_ahead, Q8View, VectorBlock, QK};
     use std::arch::x86_64::*;
 
     /// `avx512::dots_rows` for CPUs without AVX-512 VNNI, to the same bits: 8 weight rows at a time, one per lane.
@@ -322,7 +350,7 @@ pub mod avx2 {
     /// On a CPU with avx2, fma and f16c; `w` is whole rows of `nb` blocks, `a` holds N rows of `nb` blocks and `out`
     /// reaches `(N − 1) · stride + rows`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+    pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
         let rows = w.len() / nb;
         let size = std::mem::size_of::<B>();
         let (low4, flip) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(-128));
@@ -335,6 +363,9 @@ pub mod avx2 {
             let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..nb {
                 let at = b * size;
+                if cold {
+                    prefetch_ahead(&group, b, nb, size);
+                }
                 // Every block type is at least 16 bytes from its header and from its values on.
                 let header = words(&group, at + B::HEADER)[0];
                 let d = half_of(header, zero);

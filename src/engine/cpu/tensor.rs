@@ -279,7 +279,8 @@ impl Matrix {
                 let xs = &x[b * self.cols..(b + g) * self.cols];
                 let qs = if q8.is_empty() || !self.is_k_quant() { &q8[..0] } else { &q8[b * nk..(b + g) * nk] };
                 let q32 = integer_blocks.then(|| q8_32.rows(b..b + g, nb));
-                self.tile_dots(kernel, tile..end, xs, qs, q32, &mut out[b * stride + tile - rows.start..], stride, g);
+                let cold = b == 0;
+                self.tile_dots(kernel, tile..end, xs, qs, q32, cold, &mut out[b * stride + tile - rows.start..], stride, g);
                 b += g;
             }
         }
@@ -287,39 +288,40 @@ impl Matrix {
 
     /// Dots of the weight rows `rows` with each of the `g` (≤ GROUP) activation rows in `x` (in `q8` instead, as
     /// Q8_K blocks, when K-quant rows take integer products; in `q32` when blocks of 32 do): row r's product with
-    /// activation row j goes to `out[j · stride + r − rows.start]`.
+    /// activation row j goes to `out[j · stride + r − rows.start]`. `cold`: the tile's first group, which reads
+    /// the weights from memory.
     #[allow(clippy::too_many_arguments)]
-    fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q32: Option<Q8View>, out: &mut [f32], stride: usize, g: usize) {
+    fn tile_dots(&self, kernel: Kernel, rows: std::ops::Range<usize>, x: &[f32], q8: &[BlockQ8K], q32: Option<Q8View>, cold: bool, out: &mut [f32], stride: usize, g: usize) {
         let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
         // Integer products take a whole tile per call, with the group size as a constant: K-quant rows are short (3
         // super-blocks at d = 768) and a call per row cost a fifth of decode; blocks of 32 go 16 rows a vector.
         macro_rules! tile {
-            ($f:ident, $v:expr, $per_row:expr, $a:expr) => {{
+            ($f:ident, $v:expr, $per_row:expr, $($a:expr),*) => {{
                 let w = &$v[rows.start * $per_row..rows.end * $per_row];
                 match g {
-                    1 => $f::<1, _>(kernel, w, $per_row, $a, out, stride),
-                    2 => $f::<2, _>(kernel, w, $per_row, $a, out, stride),
-                    3 => $f::<3, _>(kernel, w, $per_row, $a, out, stride),
-                    4 => $f::<4, _>(kernel, w, $per_row, $a, out, stride),
-                    5 => $f::<5, _>(kernel, w, $per_row, $a, out, stride),
-                    6 => $f::<6, _>(kernel, w, $per_row, $a, out, stride),
-                    7 => $f::<7, _>(kernel, w, $per_row, $a, out, stride),
-                    8 => $f::<8, _>(kernel, w, $per_row, $a, out, stride),
-                    9 => $f::<9, _>(kernel, w, $per_row, $a, out, stride),
-                    10 => $f::<10, _>(kernel, w, $per_row, $a, out, stride),
-                    11 => $f::<11, _>(kernel, w, $per_row, $a, out, stride),
-                    12 => $f::<12, _>(kernel, w, $per_row, $a, out, stride),
-                    13 => $f::<13, _>(kernel, w, $per_row, $a, out, stride),
-                    14 => $f::<14, _>(kernel, w, $per_row, $a, out, stride),
-                    15 => $f::<15, _>(kernel, w, $per_row, $a, out, stride),
-                    _ => $f::<16, _>(kernel, w, $per_row, $a, out, stride),
+                    1 => $f::<1, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    2 => $f::<2, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    3 => $f::<3, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    4 => $f::<4, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    5 => $f::<5, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    6 => $f::<6, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    7 => $f::<7, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    8 => $f::<8, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    9 => $f::<9, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    10 => $f::<10, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    11 => $f::<11, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    12 => $f::<12, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    13 => $f::<13, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    14 => $f::<14, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    15 => $f::<15, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    _ => $f::<16, _>(kernel, w, $per_row, $($a),*, out, stride),
                 }
             }};
         }
         match (&self.storage, q32) {
-            (Storage::Q4_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a),
-            (Storage::Q4_1(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a),
-            (Storage::Q8_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a),
+            (Storage::Q4_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a, cold),
+            (Storage::Q4_1(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a, cold),
+            (Storage::Q8_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a, cold),
             (Storage::Q4K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
             (Storage::Q5K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
             (Storage::Q6K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
@@ -746,7 +748,8 @@ fn quantize_q8_32(kernel: Kernel, x: &[f32], out: &mut Q8Rows) {
 /// product with activation row j goes to `out[j · stride + r]`. AVX-512 VNNI's `vpdpbusd` where the CPU has it,
 /// else AVX2's byte and word multiply-adds, else the scalar reference: the same bits on every kernel
 /// (`q8::dot_row`).
-fn dots_q8_rows<const N: usize, B: Q8Block>(kernel: Kernel, w: &[B], nb: usize, a: &Q8View, out: &mut [f32], stride: usize) {
+#[allow(clippy::too_many_arguments)]
+fn dots_q8_rows<const N: usize, B: Q8Block>(kernel: Kernel, w: &[B], nb: usize, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
     if matches!(kernel, Kernel::Avx2 | Kernel::Avx512) {
         assert!((N - 1) * stride + w.len() / nb <= out.len() && a.qs.len() >= N * nb * QK && a.d.len() >= N * nb && a.sums.len() >= N * nb);
@@ -754,12 +757,12 @@ fn dots_q8_rows<const N: usize, B: Q8Block>(kernel: Kernel, w: &[B], nb: usize, 
         // Kernel::Avx2 means avx2, fma and f16c. The bounds are checked above.
         return unsafe {
             match kernel {
-                Kernel::Avx512 if has_vnni() => q8::avx512::dots_rows::<N, B>(w, nb, a, out, stride),
-                _ => q8::avx2::dots_rows::<N, B>(w, nb, a, out, stride),
+                Kernel::Avx512 if has_vnni() => q8::avx512::dots_rows::<N, B>(w, nb, a, cold, out, stride),
+                _ => q8::avx2::dots_rows::<N, B>(w, nb, a, cold, out, stride),
             }
         };
     }
-    let _ = kernel;
+    let _ = (kernel, cold);
     q8::dots_rows_scalar::<N, B>(w, nb, a, out, stride)
 }
 
