@@ -500,7 +500,8 @@ pub enum BenchCommand {
         batch: Vec<usize>,
         #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.75,0.9,0.99", value_parser = ratio)]
         ratios: Vec<f64>,
-        /// Weight dtype: on the CPU f32, f16, q4_0, q4_1, q8_0, q4_k, q5_k or q6_k, meeting the activations as the engine's products do (`FRSPEC_ACTIVATIONS`, 8-bit by default).
+        /// Weight dtype: on the CPU f32, f16, q4_0, q4_1, q8_0, q4_k, q5_k or q6_k, meeting the activations as the
+        /// engine's products do (`FRSPEC_ACTIVATIONS`, 8-bit by default).
         #[arg(long, default_value = "f32")]
         dtype: String,
         /// cpu (frspec's kernel), or cuda[:N] (candle's matmul; needs a build with --features cuda).
