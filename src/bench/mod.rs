@@ -435,21 +435,22 @@ impl HeadPoint {
     }
 }
 
-/// `n` weights of `dtype` in a fixed pattern (times do not depend on the values): plain types from `pattern`,
-/// quantized blocks from a byte pattern.
-fn pattern_storage(dtype: &str, n: usize, pattern: impl Fn(usize) -> f32) -> Result<crate::engine::cpu::tensor::Storage> {
+/// `rows` × `cols` weights of `dtype` in a fixed pattern (times do not depend on the values): plain types from
+/// `pattern`, quantized blocks from a byte pattern.
+fn pattern_storage(dtype: &str, rows: usize, cols: usize, pattern: impl Fn(usize) -> f32) -> Result<crate::engine::cpu::tensor::Storage> {
     use crate::engine::cpu::kquants::{BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
     use crate::engine::cpu::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, Storage, QK};
     use half::f16;
     let byte = |i: usize| (i * 37 % 251) as u8;
     let d = f16::from_f32(0.01);
+    let n = rows * cols;
     let blocks = |per: usize| 0..n / per;
     Ok(match dtype {
         "f32" => Storage::F32((0..n).map(pattern).collect()),
         "f16" => Storage::F16((0..n).map(|i| f16::from_f32(pattern(i))).collect()),
         "q4_0" => Storage::Q4_0(blocks(QK).map(|b| BlockQ4_0 { d, qs: std::array::from_fn(|i| byte(b + i)) }).collect()),
         "q4_1" => Storage::Q4_1(blocks(QK).map(|b| BlockQ4_1 { d, m: d, qs: std::array::from_fn(|i| byte(b + i)) }).collect()),
-        "q8_0" => Storage::Q8_0(blocks(QK).map(|b| BlockQ8_0 { d, qs: std::array::from_fn(|i| byte(b + i) as i8) }).collect()),
+        "q8_0" => Storage::q8_0(blocks(QK).map(|b| BlockQ8_0 { d, qs: std::array::from_fn(|i| byte(b + i) as i8) }).collect(), cols),
         "q4_k" => Storage::Q4K(blocks(QK_K).map(|b| BlockQ4K { d, dmin: d, scales: std::array::from_fn(|i| byte(b + i)), qs: std::array::from_fn(|i| byte(b + i)) }).collect()),
         "q5_k" => Storage::Q5K(
             blocks(QK_K)
@@ -466,16 +467,15 @@ fn pattern_storage(dtype: &str, n: usize, pattern: impl Fn(usize) -> f32) -> Res
 }
 
 /// Median time of the draft logits for every keep size (`ratios` of `vocab`) and batch size, on frspec's own
-/// kernel with weights in `dtype` (plain or block-quantized) and f32 activations. Values do not change the time, so the
-/// weights are a fixed pattern.
+/// kernel with weights in `dtype` (plain or block-quantized, laid out as a model's would be) and the process's
+/// activations (8-bit by default). Values do not change the time, so the weights are a fixed pattern.
 pub fn head(hidden: usize, vocab: usize, batches: &[usize], ratios: &[f64], dtype: &str, roof: Roofline) -> Result<Vec<HeadPoint>> {
     use crate::engine::cpu::tensor::{Matrix, MatmulScratch};
     let pattern = |i: usize| ((i % 17) as f32 - 8.0) * 0.01;
     let mut points = Vec::new();
     for &ratio in ratios {
         let kept = crate::vocab::kept_for_ratio(ratio, vocab);
-        let n = kept * hidden;
-        let storage = pattern_storage(dtype, n, pattern)?;
+        let storage = pattern_storage(dtype, kept, hidden, pattern)?;
         let w = Matrix { rows: kept, cols: hidden, storage };
         let mut scratch = MatmulScratch::default();
         for &b in batches {

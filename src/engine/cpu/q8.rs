@@ -14,6 +14,7 @@
 //! the activations' precision, only on that).
 
 use super::tensor::{nibble, pool, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use half::f16;
 use rayon::prelude::*;
 
 /// Quantizes one run of values (a multiple of 32 long) to `qs` with d = max |x| / 127 and q = round(x · 127 / max |x|),
@@ -172,19 +173,95 @@ pub fn dots_rows_scalar<const N: usize, B: IntBlock>(w: &[B], nb: usize, a: &Q8V
     }
 }
 
+/// Q8_0 rows laid out for `avx512::dots_interleaved`, in groups of 16 rows (one per lane): for each block, the 16
+/// rows' 32 values as eight 64-byte vectors (vector t holds values 4t .. 4t + 4 of the group's row r in bytes
+/// 4r .. 4r + 4, as the unsigned q + 128 that `vpdpbusd` takes), then, after the group's blocks, their d (16 f16 a
+/// block, two blocks a vector). Why: in the GGUF layout (each row's blocks in a run) the kernel brought every block's
+/// bytes into lanes with 16 loads and a transpose, about a fifth of its instructions, and read 16 rows' streams side
+/// by side; here a group of rows is one stream of aligned vectors, and the same bytes as before
+/// (`results/bench/interleaved-q8-2026-12-06.md`: SmolLM2's LM head at one activation row 1.5× as fast, FR-Spec's
+/// sliced heads 2.0–2.3×, 1.15–1.23× at 16 and 80 rows). Built at load where the AVX-512 VNNI kernel will meet 8-bit
+/// activations (`Storage::q8_0`); the other kernels read blocks back in the GGUF layout (`block`).
+#[derive(Clone)]
+pub struct Interleaved {
+    rows: usize,
+    nb: usize,
+    vectors: Vec<Vector>,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Vector([u8; 64]);
+
+/// Rows a group of `Interleaved` holds: the 16 lanes of an AVX-512 vector of i32 sums.
+pub const LANES: usize = 16;
+
+impl Interleaved {
+    /// `blocks`: whole rows of `nb` blocks, row-major. Lanes past the last row hold zeros (never stored).
+    pub fn new(blocks: &[BlockQ8_0], nb: usize) -> Interleaved {
+        let rows = blocks.len() / nb;
+        let per_group = Interleaved::group_vectors(nb);
+        let mut vectors = vec![Vector([0; 64]); rows.div_ceil(LANES) * per_group];
+        for (r, row) in blocks.chunks_exact(nb).enumerate() {
+            let (group, lane) = (&mut vectors[r / LANES * per_group..][..per_group], r % LANES);
+            for (b, block) in row.iter().enumerate() {
+                for (t, four) in block.qs.chunks_exact(4).enumerate() {
+                    for (k, q) in four.iter().enumerate() {
+                        group[b * 8 + t].0[4 * lane + k] = *q as u8 ^ 0x80;
+                    }
+                }
+                group[nb * 8 + b / 2].0[(b % 2) * 32 + 2 * lane..][..2].copy_from_slice(&block.d.to_bits().to_le_bytes());
+            }
+        }
+        Interleaved { rows, nb, vectors }
+    }
+
+    /// Vectors of one group: 8 a block, then the blocks' d.
+    fn group_vectors(nb: usize) -> usize {
+        nb * 8 + nb.div_ceil(2)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Block `b` of row `r` in its GGUF layout.
+    pub fn block(&self, r: usize, b: usize) -> BlockQ8_0 {
+        let (group, lane) = (&self.vectors[r / LANES * Interleaved::group_vectors(self.nb)..], r % LANES);
+        let d = &group[self.nb * 8 + b / 2].0[(b % 2) * 32 + 2 * lane..];
+        BlockQ8_0 { d: f16::from_bits(u16::from_le_bytes([d[0], d[1]])), qs: std::array::from_fn(|l| (group[b * 8 + l / 4].0[4 * lane + l % 4] ^ 0x80) as i8) }
+    }
+
+    /// Rows `rows` in the GGUF layout, in place of what `out` held.
+    pub fn blocks_into(&self, rows: std::ops::Range<usize>, out: &mut Vec<BlockQ8_0>) {
+        out.clear();
+        out.extend(rows.flat_map(|r| (0..self.nb).map(move |b| self.block(r, b))));
+    }
+
+    /// The rows `ids`, in that order.
+    pub fn select_rows(&self, ids: &[u32]) -> Interleaved {
+        let blocks: Vec<BlockQ8_0> = ids.iter().flat_map(|&r| (0..self.nb).map(move |b| self.block(r as usize, b))).collect();
+        Interleaved::new(&blocks, self.nb)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.vectors.len() * std::mem::size_of::<Vector>()
+    }
+}
+
 /// Blocks ahead of the one being multiplied that `prefetch_ahead` asks for (2 and 8 were slower).
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_AHEAD: usize = 4;
 
 /// Asks for block `b + PREFETCH_AHEAD` of each of a kernel's rows (`rows[r]`: a group of consecutive rows of `nb`
-/// blocks of `size` bytes) while block b is multiplied; past a row's end, for the same blocks of the group that
-/// follows (the next rows in memory, which the kernel multiplies next). A kernel reads its 8 or 16 rows side by
-/// side, a block of each at a time: as many streams, each a few hundred bytes long (18 blocks at SmolLM2's 576
-/// columns), and a decode step's weights come from memory (a SmolLM2 forward reads 97 MB of Q8_0 weights, three
-/// times a Zen 4's L3): without asking, the AVX-512 kernel took 9–12 ms for SmolLM2's LM head at 16 activation
-/// rows, 5.5 ms with (`results/bench/prefetch-2026-12-06.md`). Only for a tile's first group of
-/// activation rows: the groups after it find the tile in cache, and asking again only cost instructions (≈ 8%
-/// slower at 1,024 activation rows). Prefetches never fault, so the addresses past the matrix's end need no care.
+/// blocks of `size` bytes) while block b is multiplied; past a row's end, for the same blocks of the group that follows
+/// (the next rows in memory, which the kernel multiplies next). A kernel reads its 8 or 16 rows side by side, a block
+/// of each at a time: as many streams, each a few hundred bytes long (18 blocks at SmolLM2's 576 columns), and a decode
+/// step's weights come from memory (a SmolLM2 forward reads 97 MB of Q4_1 and Q8_0 weights, three times a Zen 4's L3):
+/// without asking, the AVX-512 kernel took 9–12 ms for SmolLM2's LM head at 16 activation rows, 5.5 ms with
+/// (`results/bench/prefetch-2026-12-06.md`). Only for a tile's first group of activation rows: the groups after it find
+/// the tile in cache, and asking again only cost instructions (≈ 8% slower at 1,024 activation rows). Prefetches never
+/// fault, so the addresses past the matrix's end need no care.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_ahead(rows: &[*const u8], b: usize, nb: usize, size: usize) {
@@ -230,8 +307,37 @@ impl VectorBlock for BlockQ8_0 {
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
-    use super::{prefetch_ahead, Q8View, VectorBlock, QK};
+    use super::{prefetch_ahead, BlockQ8_0, Interleaved, Q8View, VectorBlock, LANES, QK};
     use std::arch::x86_64::*;
+
+    /// One block (`b` of `nb`) of 16 weight rows (`values`: its unsigned bytes in lanes, `d` and `offset` each row's)
+    /// times activation rows 0 .. N of `a`, added to `acc`: the exact sums by `vpdpbusd`, then `dot_row`'s two
+    /// multiply-adds. A macro, not a function: as an `#[inline]` function with the kernels' target features LLVM kept
+    /// it out of line (a profile of answering showed a call a block, each instance its own symbol). Activation row j's
+    /// part is written out for each j < N: as a loop over j, LLVM unrolled it up to 8 rows, and from 9 on kept the loop
+    /// with `acc` on the stack, a load and a store around every multiply-add; with constant indices the sums stay in
+    /// registers.
+    macro_rules! block_products {
+        ($values:expr, $d:expr, $offset:expr, $a:expr, $nb:expr, $b:expr, $acc:expr, $n:ident) => {
+            block_products!(@rows $values, $d, $offset, $a, $nb, $b, $acc, $n, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+        };
+        (@rows $values:expr, $d:expr, $offset:expr, $a:expr, $nb:expr, $b:expr, $acc:expr, $n:ident, $($j:literal)*) => {{
+            const { assert!($n <= 16, "block_products writes out 16 activation rows") };
+            let (values, d, offset, a, nb, b, acc): (&[__m512i; 8], __m512, __m512, &Q8View, usize, usize, &mut [__m512; $n]) = ($values, $d, $offset, $a, $nb, $b, $acc);
+            $(
+                if $j < $n {
+                    let qa = a.qs.as_ptr().add(($j * nb + b) * QK) as *const i32;
+                    let mut s = _mm512_setzero_si512();
+                    for (t, v) in values.iter().enumerate() {
+                        s = _mm512_dpbusd_epi32(s, *v, _mm512_set1_epi32(std::ptr::read_unaligned(qa.add(t))));
+                    }
+                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(*a.d.get_unchecked($j * nb + b)));
+                    acc[$j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[$j]);
+                    acc[$j] = _mm512_fmadd_ps(offset, _mm512_set1_ps(*a.sums.get_unchecked($j * nb + b)), acc[$j]);
+                }
+            )*
+        }};
+    }
 
     /// Weight rows times N activation rows, as `dots_rows_scalar` and to its bits: 16 weight rows at a time, one
     /// per lane. For each block, four bytes of each row are brought into one vector (the same four values of 16
@@ -248,7 +354,6 @@ pub mod avx512 {
     /// `a` holds N rows of `nb` blocks and `out` reaches `(N − 1) · stride + rows`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn dots_rows<const N: usize, B: VectorBlock>(w: &[B], nb: usize, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
-        const { assert!(N <= 16, "each_row below writes out 16 activation rows") };
         let rows = w.len() / nb;
         let size = std::mem::size_of::<B>();
         let (low4, flip) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(-128));
@@ -286,28 +391,49 @@ pub mod avx512 {
                         *v = _mm512_xor_si512(word, flip);
                     }
                 }
-                // Activation row j's sums and multiply-adds, written out for each j < N: as a loop over j, LLVM
-                // unrolled it up to 8 rows, and from 9 on kept the loop with `acc` on the stack, a load and a store
-                // around every multiply-add; with constant indices the sums stay in registers.
-                macro_rules! each_row {
-                    ($($j:literal)*) => {$(
-                        if $j < N {
-                            let qa = a.qs.as_ptr().add(($j * nb + b) * QK) as *const i32;
-                            let mut s = zero;
-                            for (t, v) in values.iter().enumerate() {
-                                s = _mm512_dpbusd_epi32(s, *v, _mm512_set1_epi32(std::ptr::read_unaligned(qa.add(t))));
-                            }
-                            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*a.d.get_unchecked($j * nb + b)));
-                            acc[$j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[$j]);
-                            acc[$j] = _mm512_fmadd_ps(offset, _mm512_set1_ps(*a.sums.get_unchecked($j * nb + b)), acc[$j]);
-                        }
-                    )*};
-                }
-                each_row!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+                block_products!(&values, d, offset, a, nb, b, &mut acc, N);
             }
             // An activation row's products of the 16 weight rows are neighbours in `out`: one masked store.
             for (j, acc) in acc.iter().enumerate() {
                 _mm512_mask_storeu_ps(out.as_mut_ptr().add(j * stride + first), mask, *acc);
+            }
+        }
+    }
+
+    /// `dots_rows` for Q8_0 rows in `Interleaved`'s layout, to the same bits, over the matrix's
+    /// rows `rows` (a range that may start and end inside a group: the lanes outside it are not stored).
+    ///
+    /// # Safety
+    /// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c; `rows` within `w`'s, `a` holds N rows
+    /// of `w`'s blocks and `out` reaches `(N − 1) · stride + rows.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dots_interleaved<const N: usize>(w: &Interleaved, rows: std::ops::Range<usize>, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
+        let (nb, per_group) = (w.nb, Interleaved::group_vectors(w.nb));
+        let offset_times_d = _mm512_set1_ps(<BlockQ8_0 as super::IntBlock>::OFFSET_TIMES_D);
+        for group in rows.start / LANES..rows.end.div_ceil(LANES) {
+            let first = group * LANES;
+            let (from, to) = (rows.start.max(first) - first, rows.end.min(first + LANES) - first);
+            let mask = ((1u32 << to) - (1u32 << from)) as __mmask16;
+            let vectors = w.vectors.as_ptr().add(group * per_group) as *const u8;
+            let mut acc = [_mm512_setzero_ps(); N];
+            for b in 0..nb {
+                let block = vectors.add(b * 8 * 64);
+                if cold {
+                    // One stream: the next blocks' vectors (past the group's values, its d and the next group's).
+                    let ahead = block.wrapping_add(super::PREFETCH_AHEAD * 8 * 64);
+                    for t in 0..8 {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(t * 64) as *const i8);
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_load_si256(vectors.add((nb * 8 + b / 2) * 64 + (b % 2) * 32) as *const __m256i));
+                let values = std::array::from_fn(|t| _mm512_load_si512(block.add(t * 64) as *const __m512i));
+                block_products!(&values, d, _mm512_mul_ps(d, offset_times_d), a, nb, b, &mut acc, N);
+            }
+            // Lane r is row first + r, at out[j · stride + first + r − rows.start]: for a group that starts before
+            // `rows`, an address before `out`'s start, in the lanes the mask leaves out.
+            for (j, acc) in acc.iter().enumerate() {
+                let lane_zero = out.as_mut_ptr().wrapping_add(j * stride + first).wrapping_sub(rows.start);
+                _mm512_mask_storeu_ps(lane_zero, mask, *acc);
             }
         }
     }

@@ -23,12 +23,27 @@ pub enum Storage {
     Q4_0(Vec<BlockQ4_0>),
     Q4_1(Vec<BlockQ4_1>),
     Q8_0(Vec<BlockQ8_0>),
+    /// Q8_0 rows regrouped for the AVX-512 VNNI kernel (`Storage::q8_0`).
+    Q8_0Interleaved(q8::Interleaved),
     Q4K(Vec<BlockQ4K>),
     Q5K(Vec<BlockQ5K>),
     Q6K(Vec<BlockQ6K>),
 }
 
 pub const QK: usize = 32;
+
+impl Storage {
+    /// Q8_0 rows of `cols` columns in the layout this process's products read fastest: `q8::Interleaved` where the
+    /// AVX-512 VNNI kernel will meet 8-bit activations, else the GGUF layout as read (also for rows that are not
+    /// whole blocks, which the loader rejects).
+    pub fn q8_0(blocks: Vec<BlockQ8_0>, cols: usize) -> Storage {
+        #[cfg(target_arch = "x86_64")]
+        if cols >= QK && cols.is_multiple_of(QK) && Kernel::detect() == Kernel::Avx512 && has_vnni() && Activations::expected() == Activations::Q8 {
+            return Storage::Q8_0Interleaved(q8::Interleaved::new(&blocks, cols / QK));
+        }
+        Storage::Q8_0(blocks)
+    }
+}
 
 #[derive(Clone, Copy)]
 #[repr(C)]
@@ -110,7 +125,7 @@ impl Matrix {
             Storage::F16(_) => "f16",
             Storage::Q4_0(_) => "q4_0",
             Storage::Q4_1(_) => "q4_1",
-            Storage::Q8_0(_) => "q8_0",
+            Storage::Q8_0(_) | Storage::Q8_0Interleaved(_) => "q8_0",
             Storage::Q4K(_) => "q4_k",
             Storage::Q5K(_) => "q5_k",
             Storage::Q6K(_) => "q6_k",
@@ -125,6 +140,7 @@ impl Matrix {
             Storage::Q4_0(v) => v.len() * std::mem::size_of::<BlockQ4_0>(),
             Storage::Q4_1(v) => v.len() * std::mem::size_of::<BlockQ4_1>(),
             Storage::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
+            Storage::Q8_0Interleaved(v) => v.bytes(),
             Storage::Q4K(v) => v.len() * std::mem::size_of::<BlockQ4K>(),
             Storage::Q5K(v) => v.len() * std::mem::size_of::<BlockQ5K>(),
             Storage::Q6K(v) => v.len() * std::mem::size_of::<BlockQ6K>(),
@@ -149,6 +165,11 @@ impl Matrix {
             Storage::Q4_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
             Storage::Q4_1(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
             Storage::Q8_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
+            Storage::Q8_0Interleaved(v) => {
+                for (b, o) in out.chunks_exact_mut(QK).enumerate() {
+                    o.copy_from_slice(&v.block(r, b).values());
+                }
+            }
             Storage::Q4K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q5K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q6K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
@@ -167,6 +188,7 @@ impl Matrix {
             Storage::Q4_0(v) => Storage::Q4_0(gather(v, nb, ids)),
             Storage::Q4_1(v) => Storage::Q4_1(gather(v, nb, ids)),
             Storage::Q8_0(v) => Storage::Q8_0(gather(v, nb, ids)),
+            Storage::Q8_0Interleaved(v) => Storage::Q8_0Interleaved(v.select_rows(ids)),
             Storage::Q4K(v) => Storage::Q4K(gather(v, nk, ids)),
             Storage::Q5K(v) => Storage::Q5K(gather(v, nk, ids)),
             Storage::Q6K(v) => Storage::Q6K(gather(v, nk, ids)),
@@ -193,9 +215,9 @@ impl Matrix {
         matches!(self.storage, Storage::Q4K(_) | Storage::Q5K(_) | Storage::Q6K(_))
     }
 
-    /// Rows of blocks of 32 (Q4_0, Q4_1, Q8_0).
+    /// Rows of blocks of 32 (Q4_0, Q4_1, Q8_0 in either layout).
     fn is_block_quant(&self) -> bool {
-        matches!(self.storage, Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_))
+        matches!(self.storage, Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_) | Storage::Q8_0Interleaved(_))
     }
 
     #[cfg(test)]
@@ -295,36 +317,53 @@ impl Matrix {
         let (nb, nk) = (self.blocks_per_row(), self.superblocks_per_row());
         // Integer products take a whole tile per call, with the group size as a constant: K-quant rows are short (3
         // super-blocks at d = 768) and a call per row cost a fifth of decode; blocks of 32 go 16 rows a vector.
-        macro_rules! tile {
-            ($f:ident, $v:expr, $per_row:expr, $($a:expr),*) => {{
-                let w = &$v[rows.start * $per_row..rows.end * $per_row];
+        macro_rules! by_group {
+            ($n:ident => $call:expr) => {
                 match g {
-                    1 => $f::<1, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    2 => $f::<2, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    3 => $f::<3, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    4 => $f::<4, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    5 => $f::<5, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    6 => $f::<6, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    7 => $f::<7, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    8 => $f::<8, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    9 => $f::<9, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    10 => $f::<10, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    11 => $f::<11, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    12 => $f::<12, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    13 => $f::<13, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    14 => $f::<14, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    15 => $f::<15, _>(kernel, w, $per_row, $($a),*, out, stride),
-                    _ => $f::<16, _>(kernel, w, $per_row, $($a),*, out, stride),
+                    1 => { const $n: usize = 1; $call }
+                    2 => { const $n: usize = 2; $call }
+                    3 => { const $n: usize = 3; $call }
+                    4 => { const $n: usize = 4; $call }
+                    5 => { const $n: usize = 5; $call }
+                    6 => { const $n: usize = 6; $call }
+                    7 => { const $n: usize = 7; $call }
+                    8 => { const $n: usize = 8; $call }
+                    9 => { const $n: usize = 9; $call }
+                    10 => { const $n: usize = 10; $call }
+                    11 => { const $n: usize = 11; $call }
+                    12 => { const $n: usize = 12; $call }
+                    13 => { const $n: usize = 13; $call }
+                    14 => { const $n: usize = 14; $call }
+                    15 => { const $n: usize = 15; $call }
+                    _ => { const $n: usize = 16; $call }
                 }
-            }};
+            };
         }
+        let tile = |per_row: usize| rows.start * per_row..rows.end * per_row;
         match (&self.storage, q32) {
-            (Storage::Q4_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a, cold),
-            (Storage::Q4_1(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a, cold),
-            (Storage::Q8_0(v), Some(a)) => tile!(dots_q8_rows, v, nb, &a, cold),
-            (Storage::Q4K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
-            (Storage::Q5K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
-            (Storage::Q6K(v), _) if !q8.is_empty() => tile!(dots_k8_rows, v, nk, q8),
+            (Storage::Q4_0(v), Some(a)) => by_group!(N => dots_q8_rows::<N, _>(kernel, &v[tile(nb)], nb, &a, cold, out, stride)),
+            (Storage::Q4_1(v), Some(a)) => by_group!(N => dots_q8_rows::<N, _>(kernel, &v[tile(nb)], nb, &a, cold, out, stride)),
+            (Storage::Q8_0(v), Some(a)) => by_group!(N => dots_q8_rows::<N, _>(kernel, &v[tile(nb)], nb, &a, cold, out, stride)),
+            #[cfg(target_arch = "x86_64")]
+            (Storage::Q8_0Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => {
+                assert!(rows.end <= v.rows() && (g - 1) * stride + rows.len() <= out.len() && a.qs.len() >= g * nb * QK && a.d.len() >= g * nb && a.sums.len() >= g * nb);
+                // SAFETY: Kernel::Avx512 means avx512f/bw/vl, avx2, fma and f16c, and has_vnni() checked avx512vnni.
+                // The bounds are checked above.
+                by_group!(N => unsafe { q8::avx512::dots_interleaved::<N>(v, rows, &a, cold, out, stride) })
+            }
+            // Another kernel or activations than the layout was made for (tests compare them all; a mode set after
+            // loading): the tile's rows in the GGUF layout again, in a buffer each thread keeps.
+            (Storage::Q8_0Interleaved(v), _) => GGUF_ROWS.with_borrow_mut(|blocks| {
+                v.blocks_into(rows.clone(), blocks);
+                let tile = Matrix { rows: rows.len(), cols: self.cols, storage: Storage::Q8_0(std::mem::take(blocks)) };
+                tile.tile_dots(kernel, 0..rows.len(), x, q8, q32, cold, out, stride, g);
+                if let Storage::Q8_0(v) = tile.storage {
+                    *blocks = v;
+                }
+            }),
+            (Storage::Q4K(v), _) if !q8.is_empty() => by_group!(N => dots_k8_rows::<N, _>(kernel, &v[tile(nk)], nk, q8, out, stride)),
+            (Storage::Q5K(v), _) if !q8.is_empty() => by_group!(N => dots_k8_rows::<N, _>(kernel, &v[tile(nk)], nk, q8, out, stride)),
+            (Storage::Q6K(v), _) if !q8.is_empty() => by_group!(N => dots_k8_rows::<N, _>(kernel, &v[tile(nk)], nk, q8, out, stride)),
             _ => {
                 let mut dots = [0f32; GROUP];
                 for r in rows.clone() {
@@ -361,11 +400,17 @@ impl Matrix {
             Storage::Q4_0(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
             Storage::Q4_1(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
             Storage::Q8_0(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
+            Storage::Q8_0Interleaved(_) => unreachable!("tile_dots reads interleaved rows back in the GGUF layout"),
             Storage::Q4K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
             Storage::Q5K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
             Storage::Q6K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
         }
     }
+}
+
+thread_local! {
+    /// Interleaved Q8_0 rows read back in the GGUF layout for a kernel that multiplies that layout (`tile_dots`).
+    static GGUF_ROWS: std::cell::RefCell<Vec<BlockQ8_0>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Products smaller than this many multiply-adds run on the calling thread.
@@ -497,6 +542,11 @@ impl Activations {
     /// The process's mode: what `set` chose, else `FRSPEC_ACTIVATIONS`, else the default. Fixed at the first call.
     pub fn get() -> Activations {
         *ACTIVATIONS.get_or_init(Activations::from_env)
+    }
+
+    /// The mode products will run in, without fixing it (`Storage::q8_0` lays rows out for it at load).
+    fn expected() -> Activations {
+        ACTIVATIONS.get().copied().unwrap_or_else(Activations::from_env)
     }
 
     /// `FRSPEC_ACTIVATIONS`, or the default when it is not set (an unknown value is refused where the mode is
@@ -1557,11 +1607,12 @@ mod tests {
     fn all_storages(m: &Matrix, rng: &mut ChaCha8Rng) -> Vec<Matrix> {
         let w = dense(m);
         let n = m.rows * m.cols / QK;
-        let q8 = (0..n).map(|_| BlockQ8_0 { d: f16::from_f32(rng.random_range(0.001..0.02)), qs: std::array::from_fn(|_| rng.random()) }).collect();
+        let q8: Vec<BlockQ8_0> = (0..n).map(|_| BlockQ8_0 { d: f16::from_f32(rng.random_range(0.001..0.02)), qs: std::array::from_fn(|_| rng.random()) }).collect();
         let q4 = (0..n).map(|_| BlockQ4_0 { d: f16::from_f32(rng.random_range(0.001..0.05)), qs: std::array::from_fn(|_| rng.random()) }).collect();
         vec![
             m.clone(),
-            Matrix { storage: Storage::Q8_0(q8), ..m.clone() },
+            Matrix { storage: Storage::Q8_0(q8.clone()), ..m.clone() },
+            Matrix { storage: Storage::Q8_0Interleaved(q8::Interleaved::new(&q8, m.cols / QK)), ..m.clone() },
             Matrix { storage: Storage::Q4_0(q4), ..m.clone() },
             Matrix { storage: Storage::F16(w.iter().map(|v| f16::from_f32(*v)).collect()), ..m.clone() },
             Matrix { storage: Storage::F32(w), ..m.clone() },
@@ -1769,8 +1820,11 @@ mod tests {
         use candle_core::quantized::GgmlDType;
         let mut rng = ChaCha8Rng::seed_from_u64(13);
         let cols = 256;
-        // Row counts that make task chunks cross from one matrix into the next; enough work to run in parallel.
+        // Row counts that make task chunks cross from one matrix into the next (and start inside a group of 16
+        // interleaved Q8_0 rows); enough work to run in parallel.
         let q41 = random_q4_1(37, cols, &mut rng);
+        let blocks: Vec<BlockQ8_0> = (0..45 * cols / QK).map(|_| BlockQ8_0 { d: f16::from_f32(rng.random_range(0.001..0.02)), qs: std::array::from_fn(|_| rng.random()) }).collect();
+        let q8i = Matrix { rows: 45, cols, storage: Storage::Q8_0Interleaved(q8::Interleaved::new(&blocks, cols / QK)) };
         let w: Vec<f32> = (0..150 * cols).map(|_| rng.random_range(-0.1f32..0.1)).collect();
         let (q6k, _) = candle_quantized(&w, 150, cols, GgmlDType::Q6K);
         let f = Matrix { rows: 113, cols, storage: Storage::F32((0..113 * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect()) };
@@ -1779,7 +1833,7 @@ mod tests {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
             for kernel in Kernel::available() {
                 for activations in [Activations::F32, Activations::KQuants, Activations::Q8] {
-                    let alone: Vec<Vec<f32>> = [&q41, &q6k, &f]
+                    let alone: Vec<Vec<f32>> = [&q41, &q8i, &q6k, &f]
                         .iter()
                         .map(|m| {
                             let mut out = vec![0.0; n * m.rows];
@@ -1787,9 +1841,10 @@ mod tests {
                             out
                         })
                         .collect();
-                    let (mut a, mut b, mut c) = (vec![0.0; n * 37], vec![0.0; n * 150], vec![0.0; n * 113]);
-                    Matrix::matmul_many_with(kernel, activations, &x, &mut [(&q41, &mut a[..]), (&q6k, &mut b[..]), (&f, &mut c[..])], &mut scratch);
-                    assert_eq!([a, b, c], &alone[..], "{kernel:?} {activations:?}, {n} rows: together differs from alone");
+                    let (mut a, mut i, mut b, mut c) = (vec![0.0; n * 37], vec![0.0; n * 45], vec![0.0; n * 150], vec![0.0; n * 113]);
+                    let products = &mut [(&q41, &mut a[..]), (&q8i, &mut i[..]), (&q6k, &mut b[..]), (&f, &mut c[..])];
+                    Matrix::matmul_many_with(kernel, activations, &x, products, &mut scratch);
+                    assert_eq!([a, i, b, c], &alone[..], "{kernel:?} {activations:?}, {n} rows: together differs from alone");
                 }
             }
         }
@@ -1839,5 +1894,26 @@ mod tests {
         assert_eq!(&sub[..64], &full[7 * 64..8 * 64]);
         assert_eq!(&sub[64..128], &full[2 * 64..3 * 64]);
         assert_eq!(&sub[128..], &full[9 * 64..10 * 64]);
+    }
+
+    /// Interleaved Q8_0 rows give back each block as it was, whole rows and chosen rows; rows of 3 blocks, so a group's
+    /// last vector of scales is half used, and 37 rows, so its last group is partly filled.
+    #[test]
+    fn interleaved_q8_0_rows_read_back_as_their_blocks() {
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let (rows, nb) = (37, 3);
+        let blocks: Vec<BlockQ8_0> = (0..rows * nb).map(|_| BlockQ8_0 { d: f16::from_f32(rng.random_range(-0.02..0.02)), qs: std::array::from_fn(|_| rng.random()) }).collect();
+        let bits = |b: &BlockQ8_0| (b.d.to_bits(), b.qs);
+        let interleaved = q8::Interleaved::new(&blocks, nb);
+        let mut back = Vec::new();
+        interleaved.blocks_into(0..rows, &mut back);
+        assert_eq!(back.iter().map(bits).collect::<Vec<_>>(), blocks.iter().map(bits).collect::<Vec<_>>());
+        let picked = interleaved.select_rows(&[36, 0, 17]);
+        picked.blocks_into(0..3, &mut back);
+        let expected: Vec<_> = [36, 0, 17].iter().flat_map(|r| &blocks[r * nb..(r + 1) * nb]).map(bits).collect();
+        assert_eq!(back.iter().map(bits).collect::<Vec<_>>(), expected);
+        let m = Matrix { rows, cols: nb * QK, storage: Storage::Q8_0(blocks) };
+        let i = Matrix { storage: Storage::Q8_0Interleaved(interleaved), ..m.clone() };
+        assert_eq!(dense(&i), dense(&m));
     }
 }
