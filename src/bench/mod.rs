@@ -449,7 +449,7 @@ fn pattern_storage(dtype: &str, rows: usize, cols: usize, pattern: impl Fn(usize
         "f32" => Storage::F32((0..n).map(pattern).collect()),
         "f16" => Storage::F16((0..n).map(|i| f16::from_f32(pattern(i))).collect()),
         "q4_0" => Storage::Q4_0(blocks(QK).map(|b| BlockQ4_0 { d, qs: std::array::from_fn(|i| byte(b + i)) }).collect()),
-        "q4_1" => Storage::Q4_1(blocks(QK).map(|b| BlockQ4_1 { d, m: d, qs: std::array::from_fn(|i| byte(b + i)) }).collect()),
+        "q4_1" => Storage::q4_1(blocks(QK).map(|b| BlockQ4_1 { d, m: d, qs: std::array::from_fn(|i| byte(b + i)) }).collect(), cols),
         "q8_0" => Storage::q8_0(blocks(QK).map(|b| BlockQ8_0 { d, qs: std::array::from_fn(|i| byte(b + i) as i8) }).collect(), cols),
         "q4_k" => Storage::Q4K(blocks(QK_K).map(|b| BlockQ4K { d, dmin: d, scales: std::array::from_fn(|i| byte(b + i)), qs: std::array::from_fn(|i| byte(b + i)) }).collect()),
         "q5_k" => Storage::Q5K(

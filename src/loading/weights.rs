@@ -246,7 +246,7 @@ impl WeightSource for Gguf {
             GgmlDType::F32 => Storage::F32(self.read(name, info)?),
             GgmlDType::F16 => Storage::F16(self.read(name, info)?),
             GgmlDType::Q4_0 => Storage::Q4_0(self.read(name, info)?),
-            GgmlDType::Q4_1 => Storage::Q4_1(self.read(name, info)?),
+            GgmlDType::Q4_1 => Storage::q4_1(self.read(name, info)?, cols),
             GgmlDType::Q8_0 => Storage::q8_0(self.read(name, info)?, cols),
             GgmlDType::Q4K => Storage::Q4K(self.read(name, info)?),
             GgmlDType::Q5K => Storage::Q5K(self.read(name, info)?),
@@ -258,7 +258,7 @@ impl WeightSource for Gguf {
             }
         };
         let block = match storage {
-            Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_) | Storage::Q8_0Interleaved(_) => QK,
+            Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_) | Storage::Q4_1Interleaved(_) | Storage::Q8_0Interleaved(_) => QK,
             Storage::Q4K(_) | Storage::Q5K(_) | Storage::Q6K(_) => kquants::QK_K,
             Storage::F32(_) | Storage::F16(_) => 1,
         };

@@ -173,20 +173,23 @@ pub fn dots_rows_scalar<const N: usize, B: IntBlock>(w: &[B], nb: usize, a: &Q8V
     }
 }
 
-/// Q8_0 rows laid out for `avx512::dots_interleaved`, in groups of 16 rows (one per lane): for each block, the 16
-/// rows' 32 values as eight 64-byte vectors (vector t holds values 4t .. 4t + 4 of the group's row r in bytes
-/// 4r .. 4r + 4, as the unsigned q + 128 that `vpdpbusd` takes), then, after the group's blocks, their d (16 f16 a
-/// block, two blocks a vector). Why: in the GGUF layout (each row's blocks in a run) the kernel brought every block's
-/// bytes into lanes with 16 loads and a transpose, about a fifth of its instructions, and read 16 rows' streams side
-/// by side; here a group of rows is one stream of aligned vectors, and the same bytes as before
-/// (`results/bench/interleaved-q8-2026-12-06.md`: SmolLM2's LM head at one activation row 1.5× as fast, FR-Spec's
-/// sliced heads 2.0–2.3×, 1.15–1.23× at 16 and 80 rows). Built at load where the AVX-512 VNNI kernel will meet 8-bit
-/// activations (`Storage::q8_0`); the other kernels read blocks back in the GGUF layout (`block`).
+/// Q8_0 or Q4_1 rows laid out for `avx512::dots_interleaved`, in groups of 16 rows (one per lane): for each block, the
+/// 16 rows' values as 64-byte vectors (vector t holds the bytes 4t .. 4t + 4 that the kernel multiplies of the group's
+/// row r in bytes 4r .. 4r + 4: Q8_0's values as the unsigned q + 128 that `vpdpbusd` takes, eight vectors; Q4_1's
+/// nibble bytes, four), then, after the group's blocks, their scales (16 f16 d a block, Q4_1's 16 m after them). Why:
+/// in the GGUF layout (each row's blocks in a run) the kernel brought every block's bytes into lanes with 16 loads and
+/// a transpose, about a fifth of its instructions, and read 16 rows' streams side by side; here a group of rows is one
+/// stream of aligned vectors, and the same bytes as before (`results/bench/interleaved-q8-2026-12-06.md`: SmolLM2's
+/// Q8_0 LM head at one activation row 1.5× as fast, FR-Spec's sliced heads 2.0–2.3×, 1.15–1.23× at 16 and 80 rows; one
+/// sequence's decode ≈ 1.2× with the Q4_1 layers too; no gain where the weights' bytes set the time). Built
+/// at load where the AVX-512 VNNI kernel will meet 8-bit activations (`Storage::q8_0`, `Storage::q4_1`); the other
+/// kernels read blocks back in the GGUF layout (`block`).
 #[derive(Clone)]
-pub struct Interleaved {
+pub struct Interleaved<B> {
     rows: usize,
     nb: usize,
     vectors: Vec<Vector>,
+    block_type: std::marker::PhantomData<B>,
 }
 
 #[derive(Clone, Copy)]
@@ -196,29 +199,76 @@ struct Vector([u8; 64]);
 /// Rows a group of `Interleaved` holds: the 16 lanes of an AVX-512 vector of i32 sums.
 pub const LANES: usize = 16;
 
-impl Interleaved {
+/// A block type `Interleaved` lays out: its bytes as the kernel reads them, and back.
+pub trait Interleave: IntBlock {
+    /// 64-byte vectors of values a block of 16 rows takes (4 bytes of each row a vector).
+    const VALUE_VECTORS: usize;
+    /// Bytes of scales a block of 16 rows takes: d, then Q4_1's m (16 f16 each).
+    const SCALE_BYTES: usize;
+    /// The 4 bytes of value vector t, and the scales' bits.
+    fn word(&self, t: usize) -> [u8; 4];
+    fn scales(&self) -> [u16; 2];
+    /// The block of these words and scales.
+    fn from_parts(word: impl Fn(usize) -> [u8; 4], scales: [u16; 2]) -> Self;
+}
+
+impl Interleave for BlockQ8_0 {
+    const VALUE_VECTORS: usize = 8;
+    const SCALE_BYTES: usize = 32;
+    fn word(&self, t: usize) -> [u8; 4] {
+        std::array::from_fn(|k| self.qs[4 * t + k] as u8 ^ 0x80)
+    }
+    fn scales(&self) -> [u16; 2] {
+        [self.d.to_bits(), 0]
+    }
+    fn from_parts(word: impl Fn(usize) -> [u8; 4], [d, _]: [u16; 2]) -> Self {
+        BlockQ8_0 { d: f16::from_bits(d), qs: std::array::from_fn(|l| (word(l / 4)[l % 4] ^ 0x80) as i8) }
+    }
+}
+
+impl Interleave for BlockQ4_1 {
+    const VALUE_VECTORS: usize = 4;
+    const SCALE_BYTES: usize = 64;
+    fn word(&self, t: usize) -> [u8; 4] {
+        std::array::from_fn(|k| self.qs[4 * t + k])
+    }
+    fn scales(&self) -> [u16; 2] {
+        [self.d.to_bits(), self.m.to_bits()]
+    }
+    fn from_parts(word: impl Fn(usize) -> [u8; 4], [d, m]: [u16; 2]) -> Self {
+        BlockQ4_1 { d: f16::from_bits(d), m: f16::from_bits(m), qs: std::array::from_fn(|l| word(l / 4)[l % 4]) }
+    }
+}
+
+impl<B: Interleave> Interleaved<B> {
     /// `blocks`: whole rows of `nb` blocks, row-major. Lanes past the last row hold zeros (never stored).
-    pub fn new(blocks: &[BlockQ8_0], nb: usize) -> Interleaved {
+    pub fn new(blocks: &[B], nb: usize) -> Interleaved<B> {
         let rows = blocks.len() / nb;
-        let per_group = Interleaved::group_vectors(nb);
+        let per_group = Interleaved::<B>::group_vectors(nb);
         let mut vectors = vec![Vector([0; 64]); rows.div_ceil(LANES) * per_group];
         for (r, row) in blocks.chunks_exact(nb).enumerate() {
             let (group, lane) = (&mut vectors[r / LANES * per_group..][..per_group], r % LANES);
             for (b, block) in row.iter().enumerate() {
-                for (t, four) in block.qs.chunks_exact(4).enumerate() {
-                    for (k, q) in four.iter().enumerate() {
-                        group[b * 8 + t].0[4 * lane + k] = *q as u8 ^ 0x80;
-                    }
+                for t in 0..B::VALUE_VECTORS {
+                    group[b * B::VALUE_VECTORS + t].0[4 * lane..][..4].copy_from_slice(&block.word(t));
                 }
-                group[nb * 8 + b / 2].0[(b % 2) * 32 + 2 * lane..][..2].copy_from_slice(&block.d.to_bits().to_le_bytes());
+                for (i, bits) in block.scales().into_iter().enumerate().take(B::SCALE_BYTES / 32) {
+                    let at = Interleaved::<B>::scale_at(nb, b) + 32 * i + 2 * lane;
+                    group[at / 64].0[at % 64..][..2].copy_from_slice(&bits.to_le_bytes());
+                }
             }
         }
-        Interleaved { rows, nb, vectors }
+        Interleaved { rows, nb, vectors, block_type: std::marker::PhantomData }
     }
 
-    /// Vectors of one group: 8 a block, then the blocks' d.
+    /// Vectors of one group: the blocks' values, then their scales.
     fn group_vectors(nb: usize) -> usize {
-        nb * 8 + nb.div_ceil(2)
+        nb * B::VALUE_VECTORS + (nb * B::SCALE_BYTES).div_ceil(64)
+    }
+
+    /// Where block b's scales start in its group, in bytes.
+    fn scale_at(nb: usize, b: usize) -> usize {
+        nb * B::VALUE_VECTORS * 64 + b * B::SCALE_BYTES
     }
 
     pub fn rows(&self) -> usize {
@@ -226,21 +276,25 @@ impl Interleaved {
     }
 
     /// Block `b` of row `r` in its GGUF layout.
-    pub fn block(&self, r: usize, b: usize) -> BlockQ8_0 {
-        let (group, lane) = (&self.vectors[r / LANES * Interleaved::group_vectors(self.nb)..], r % LANES);
-        let d = &group[self.nb * 8 + b / 2].0[(b % 2) * 32 + 2 * lane..];
-        BlockQ8_0 { d: f16::from_bits(u16::from_le_bytes([d[0], d[1]])), qs: std::array::from_fn(|l| (group[b * 8 + l / 4].0[4 * lane + l % 4] ^ 0x80) as i8) }
+    pub fn block(&self, r: usize, b: usize) -> B {
+        let (group, lane) = (&self.vectors[r / LANES * Interleaved::<B>::group_vectors(self.nb)..], r % LANES);
+        let byte = |at: usize| group[at / 64].0[at % 64];
+        let scale = |i: usize| {
+            let at = Interleaved::<B>::scale_at(self.nb, b) + 32 * i + 2 * lane;
+            u16::from_le_bytes([byte(at), byte(at + 1)])
+        };
+        let scales = [scale(0), if B::SCALE_BYTES > 32 { scale(1) } else { 0 }];
+        B::from_parts(|t| std::array::from_fn(|k| byte((b * B::VALUE_VECTORS + t) * 64 + 4 * lane + k)), scales)
     }
 
-    /// Rows `rows` in the GGUF layout, in place of what `out` held.
-    pub fn blocks_into(&self, rows: std::ops::Range<usize>, out: &mut Vec<BlockQ8_0>) {
-        out.clear();
-        out.extend(rows.flat_map(|r| (0..self.nb).map(move |b| self.block(r, b))));
+    /// Rows `rows` in the GGUF layout.
+    pub fn blocks(&self, rows: std::ops::Range<usize>) -> Vec<B> {
+        rows.flat_map(|r| (0..self.nb).map(move |b| self.block(r, b))).collect()
     }
 
     /// The rows `ids`, in that order.
-    pub fn select_rows(&self, ids: &[u32]) -> Interleaved {
-        let blocks: Vec<BlockQ8_0> = ids.iter().flat_map(|&r| (0..self.nb).map(move |b| self.block(r as usize, b))).collect();
+    pub fn select_rows(&self, ids: &[u32]) -> Interleaved<B> {
+        let blocks: Vec<B> = ids.iter().flat_map(|&r| (0..self.nb).map(move |b| self.block(r as usize, b))).collect();
         Interleaved::new(&blocks, self.nb)
     }
 
@@ -307,7 +361,7 @@ impl VectorBlock for BlockQ8_0 {
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
-    use super::{prefetch_ahead, BlockQ8_0, Interleaved, Q8View, VectorBlock, LANES, QK};
+    use super::{prefetch_ahead, Interleave, Interleaved, Q8View, VectorBlock, LANES, QK};
     use std::arch::x86_64::*;
 
     /// One block (`b` of `nb`) of 16 weight rows (`values`: its unsigned bytes in lanes, `d` and `offset` each row's)
@@ -400,16 +454,16 @@ pub mod avx512 {
         }
     }
 
-    /// `dots_rows` for Q8_0 rows in `Interleaved`'s layout, to the same bits, over the matrix's
-    /// rows `rows` (a range that may start and end inside a group: the lanes outside it are not stored).
+    /// `dots_rows` for rows in `Interleaved`'s layout, to the same bits, over the matrix's rows `rows` (a range that
+    /// may start and end inside a group: the lanes outside it are not stored).
     ///
     /// # Safety
     /// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c; `rows` within `w`'s, `a` holds N rows
     /// of `w`'s blocks and `out` reaches `(N − 1) · stride + rows.len()`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dots_interleaved<const N: usize>(w: &Interleaved, rows: std::ops::Range<usize>, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
-        let (nb, per_group) = (w.nb, Interleaved::group_vectors(w.nb));
-        let offset_times_d = _mm512_set1_ps(<BlockQ8_0 as super::IntBlock>::OFFSET_TIMES_D);
+    pub unsafe fn dots_interleaved<const N: usize, B: Interleave + VectorBlock>(w: &Interleaved<B>, rows: std::ops::Range<usize>, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
+        let (nb, per_group) = (w.nb, Interleaved::<B>::group_vectors(w.nb));
+        let (offset_times_d, low4) = (_mm512_set1_ps(B::OFFSET_TIMES_D), _mm512_set1_epi8(0x0f));
         for group in rows.start / LANES..rows.end.div_ceil(LANES) {
             let first = group * LANES;
             let (from, to) = (rows.start.max(first) - first, rows.end.min(first + LANES) - first);
@@ -417,17 +471,29 @@ pub mod avx512 {
             let vectors = w.vectors.as_ptr().add(group * per_group) as *const u8;
             let mut acc = [_mm512_setzero_ps(); N];
             for b in 0..nb {
-                let block = vectors.add(b * 8 * 64);
+                let block = vectors.add(b * B::VALUE_VECTORS * 64);
                 if cold {
-                    // One stream: the next blocks' vectors (past the group's values, its d and the next group's).
-                    let ahead = block.wrapping_add(super::PREFETCH_AHEAD * 8 * 64);
-                    for t in 0..8 {
+                    // One stream: the next blocks' vectors (past the group's values, its scales and the next group's).
+                    let ahead = block.wrapping_add(super::PREFETCH_AHEAD * B::VALUE_VECTORS * 64);
+                    for t in 0..B::VALUE_VECTORS {
                         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(t * 64) as *const i8);
                     }
                 }
-                let d = _mm512_cvtph_ps(_mm256_load_si256(vectors.add((nb * 8 + b / 2) * 64 + (b % 2) * 32) as *const __m256i));
-                let values = std::array::from_fn(|t| _mm512_load_si512(block.add(t * 64) as *const __m512i));
-                block_products!(&values, d, _mm512_mul_ps(d, offset_times_d), a, nb, b, &mut acc, N);
+                let scales = vectors.add(Interleaved::<B>::scale_at(nb, b));
+                let d = _mm512_cvtph_ps(_mm256_load_si256(scales as *const __m256i));
+                let offset = match B::OWN_OFFSET {
+                    true => _mm512_cvtph_ps(_mm256_load_si256(scales.add(32) as *const __m256i)),
+                    false => _mm512_mul_ps(d, offset_times_d),
+                };
+                let load = |t: usize| _mm512_load_si512(block.add(t * 64) as *const __m512i);
+                let values: [__m512i; 8] = match B::NIBBLES {
+                    true => std::array::from_fn(|t| match t < 4 {
+                        true => _mm512_and_si512(load(t), low4),
+                        false => _mm512_and_si512(_mm512_srli_epi16::<4>(load(t - 4)), low4),
+                    }),
+                    false => std::array::from_fn(load),
+                };
+                block_products!(&values, d, offset, a, nb, b, &mut acc, N);
             }
             // Lane r is row first + r, at out[j · stride + first + r − rows.start]: for a group that starts before
             // `rows`, an address before `out`'s start, in the lanes the mask leaves out.

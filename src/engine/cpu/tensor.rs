@@ -23,8 +23,9 @@ pub enum Storage {
     Q4_0(Vec<BlockQ4_0>),
     Q4_1(Vec<BlockQ4_1>),
     Q8_0(Vec<BlockQ8_0>),
-    /// Q8_0 rows regrouped for the AVX-512 VNNI kernel (`Storage::q8_0`).
-    Q8_0Interleaved(q8::Interleaved),
+    /// Q4_1 and Q8_0 rows regrouped for the AVX-512 VNNI kernel (`Storage::q4_1`, `Storage::q8_0`).
+    Q4_1Interleaved(q8::Interleaved<BlockQ4_1>),
+    Q8_0Interleaved(q8::Interleaved<BlockQ8_0>),
     Q4K(Vec<BlockQ4K>),
     Q5K(Vec<BlockQ5K>),
     Q6K(Vec<BlockQ6K>),
@@ -33,16 +34,25 @@ pub enum Storage {
 pub const QK: usize = 32;
 
 impl Storage {
-    /// Q8_0 rows of `cols` columns in the layout this process's products read fastest: `q8::Interleaved` where the
-    /// AVX-512 VNNI kernel will meet 8-bit activations, else the GGUF layout as read (also for rows that are not
-    /// whole blocks, which the loader rejects).
+    /// Q8_0 rows of `cols` columns in the layout this process's products read fastest (`interleaved`).
     pub fn q8_0(blocks: Vec<BlockQ8_0>, cols: usize) -> Storage {
-        #[cfg(target_arch = "x86_64")]
-        if cols >= QK && cols.is_multiple_of(QK) && Kernel::detect() == Kernel::Avx512 && has_vnni() && Activations::expected() == Activations::Q8 {
-            return Storage::Q8_0Interleaved(q8::Interleaved::new(&blocks, cols / QK));
-        }
-        Storage::Q8_0(blocks)
+        interleaved(blocks, cols).map_or_else(Storage::Q8_0, Storage::Q8_0Interleaved)
     }
+
+    /// Q4_1 rows the same way.
+    pub fn q4_1(blocks: Vec<BlockQ4_1>, cols: usize) -> Storage {
+        interleaved(blocks, cols).map_or_else(Storage::Q4_1, Storage::Q4_1Interleaved)
+    }
+}
+
+/// Rows of `cols` columns as `q8::Interleaved` where the AVX-512 VNNI kernel will meet 8-bit activations, else the
+/// GGUF layout as read (also for rows that are not whole blocks, which the loader rejects).
+fn interleaved<B: q8::Interleave>(blocks: Vec<B>, cols: usize) -> Result<q8::Interleaved<B>, Vec<B>> {
+    #[cfg(target_arch = "x86_64")]
+    if cols >= QK && cols.is_multiple_of(QK) && Kernel::detect() == Kernel::Avx512 && has_vnni() && Activations::expected() == Activations::Q8 {
+        return Ok(q8::Interleaved::new(&blocks, cols / QK));
+    }
+    Err(blocks)
 }
 
 #[derive(Clone, Copy)]
@@ -124,7 +134,7 @@ impl Matrix {
             Storage::F32(_) => "f32",
             Storage::F16(_) => "f16",
             Storage::Q4_0(_) => "q4_0",
-            Storage::Q4_1(_) => "q4_1",
+            Storage::Q4_1(_) | Storage::Q4_1Interleaved(_) => "q4_1",
             Storage::Q8_0(_) | Storage::Q8_0Interleaved(_) => "q8_0",
             Storage::Q4K(_) => "q4_k",
             Storage::Q5K(_) => "q5_k",
@@ -140,6 +150,7 @@ impl Matrix {
             Storage::Q4_0(v) => v.len() * std::mem::size_of::<BlockQ4_0>(),
             Storage::Q4_1(v) => v.len() * std::mem::size_of::<BlockQ4_1>(),
             Storage::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
+            Storage::Q4_1Interleaved(v) => v.bytes(),
             Storage::Q8_0Interleaved(v) => v.bytes(),
             Storage::Q4K(v) => v.len() * std::mem::size_of::<BlockQ4K>(),
             Storage::Q5K(v) => v.len() * std::mem::size_of::<BlockQ5K>(),
@@ -165,11 +176,8 @@ impl Matrix {
             Storage::Q4_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
             Storage::Q4_1(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
             Storage::Q8_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
-            Storage::Q8_0Interleaved(v) => {
-                for (b, o) in out.chunks_exact_mut(QK).enumerate() {
-                    o.copy_from_slice(&v.block(r, b).values());
-                }
-            }
+            Storage::Q4_1Interleaved(v) => blocks_into(&v.blocks(r..r + 1), out),
+            Storage::Q8_0Interleaved(v) => blocks_into(&v.blocks(r..r + 1), out),
             Storage::Q4K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q5K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q6K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
@@ -188,6 +196,7 @@ impl Matrix {
             Storage::Q4_0(v) => Storage::Q4_0(gather(v, nb, ids)),
             Storage::Q4_1(v) => Storage::Q4_1(gather(v, nb, ids)),
             Storage::Q8_0(v) => Storage::Q8_0(gather(v, nb, ids)),
+            Storage::Q4_1Interleaved(v) => Storage::Q4_1Interleaved(v.select_rows(ids)),
             Storage::Q8_0Interleaved(v) => Storage::Q8_0Interleaved(v.select_rows(ids)),
             Storage::Q4K(v) => Storage::Q4K(gather(v, nk, ids)),
             Storage::Q5K(v) => Storage::Q5K(gather(v, nk, ids)),
@@ -215,9 +224,9 @@ impl Matrix {
         matches!(self.storage, Storage::Q4K(_) | Storage::Q5K(_) | Storage::Q6K(_))
     }
 
-    /// Rows of blocks of 32 (Q4_0, Q4_1, Q8_0 in either layout).
+    /// Rows of blocks of 32 (Q4_0, Q4_1, Q8_0, the last two in either layout).
     fn is_block_quant(&self) -> bool {
-        matches!(self.storage, Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_) | Storage::Q8_0Interleaved(_))
+        matches!(self.storage, Storage::Q4_0(_) | Storage::Q4_1(_) | Storage::Q8_0(_) | Storage::Q4_1Interleaved(_) | Storage::Q8_0Interleaved(_))
     }
 
     #[cfg(test)]
@@ -345,22 +354,19 @@ impl Matrix {
             (Storage::Q4_1(v), Some(a)) => by_group!(N => dots_q8_rows::<N, _>(kernel, &v[tile(nb)], nb, &a, cold, out, stride)),
             (Storage::Q8_0(v), Some(a)) => by_group!(N => dots_q8_rows::<N, _>(kernel, &v[tile(nb)], nb, &a, cold, out, stride)),
             #[cfg(target_arch = "x86_64")]
-            (Storage::Q8_0Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => {
-                assert!(rows.end <= v.rows() && (g - 1) * stride + rows.len() <= out.len() && a.qs.len() >= g * nb * QK && a.d.len() >= g * nb && a.sums.len() >= g * nb);
-                // SAFETY: Kernel::Avx512 means avx512f/bw/vl, avx2, fma and f16c, and has_vnni() checked avx512vnni.
-                // The bounds are checked above.
-                by_group!(N => unsafe { q8::avx512::dots_interleaved::<N>(v, rows, &a, cold, out, stride) })
-            }
+            (Storage::Q4_1Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => interleaved_dots(v, rows, a, cold, out, stride, g),
+            #[cfg(target_arch = "x86_64")]
+            (Storage::Q8_0Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => interleaved_dots(v, rows, a, cold, out, stride, g),
             // Another kernel or activations than the layout was made for (tests compare them all; a mode set after
-            // loading): the tile's rows in the GGUF layout again, in a buffer each thread keeps.
-            (Storage::Q8_0Interleaved(v), _) => GGUF_ROWS.with_borrow_mut(|blocks| {
-                v.blocks_into(rows.clone(), blocks);
-                let tile = Matrix { rows: rows.len(), cols: self.cols, storage: Storage::Q8_0(std::mem::take(blocks)) };
-                tile.tile_dots(kernel, 0..rows.len(), x, q8, q32, cold, out, stride, g);
-                if let Storage::Q8_0(v) = tile.storage {
-                    *blocks = v;
-                }
-            }),
+            // loading): the tile's rows in the GGUF layout again.
+            (Storage::Q4_1Interleaved(v), _) => {
+                let tile = Matrix { rows: rows.len(), cols: self.cols, storage: Storage::Q4_1(v.blocks(rows.clone())) };
+                tile.tile_dots(kernel, 0..rows.len(), x, q8, q32, cold, out, stride, g)
+            }
+            (Storage::Q8_0Interleaved(v), _) => {
+                let tile = Matrix { rows: rows.len(), cols: self.cols, storage: Storage::Q8_0(v.blocks(rows.clone())) };
+                tile.tile_dots(kernel, 0..rows.len(), x, q8, q32, cold, out, stride, g)
+            }
             (Storage::Q4K(v), _) if !q8.is_empty() => by_group!(N => dots_k8_rows::<N, _>(kernel, &v[tile(nk)], nk, q8, out, stride)),
             (Storage::Q5K(v), _) if !q8.is_empty() => by_group!(N => dots_k8_rows::<N, _>(kernel, &v[tile(nk)], nk, q8, out, stride)),
             (Storage::Q6K(v), _) if !q8.is_empty() => by_group!(N => dots_k8_rows::<N, _>(kernel, &v[tile(nk)], nk, q8, out, stride)),
@@ -400,7 +406,7 @@ impl Matrix {
             Storage::Q4_0(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
             Storage::Q4_1(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
             Storage::Q8_0(v) => group!(dots_blocks, &v[r * nb..(r + 1) * nb], x),
-            Storage::Q8_0Interleaved(_) => unreachable!("tile_dots reads interleaved rows back in the GGUF layout"),
+            Storage::Q4_1Interleaved(_) | Storage::Q8_0Interleaved(_) => unreachable!("tile_dots reads interleaved rows back in the GGUF layout"),
             Storage::Q4K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
             Storage::Q5K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
             Storage::Q6K(v) => group!(dots_k, &v[r * nk..(r + 1) * nk], x),
@@ -408,9 +414,22 @@ impl Matrix {
     }
 }
 
-thread_local! {
-    /// Interleaved Q8_0 rows read back in the GGUF layout for a kernel that multiplies that layout (`tile_dots`).
-    static GGUF_ROWS: std::cell::RefCell<Vec<BlockQ8_0>> = const { std::cell::RefCell::new(Vec::new()) };
+/// `Matrix::tile_dots` for interleaved rows on the AVX-512 VNNI kernel.
+#[cfg(target_arch = "x86_64")]
+fn interleaved_dots<B: q8::Interleave + q8::VectorBlock>(w: &q8::Interleaved<B>, rows: std::ops::Range<usize>, a: Q8View, cold: bool, out: &mut [f32], stride: usize, g: usize) {
+    let nb = a.d.len() / g;
+    assert!(rows.end <= w.rows() && (g - 1) * stride + rows.len() <= out.len() && a.qs.len() >= g * nb * QK && a.sums.len() >= g * nb);
+    macro_rules! by_group {
+        ($($n:literal)*) => {
+            match g {
+                // SAFETY: only where the caller found Kernel::Avx512 (avx512f/bw/vl, avx2, fma and f16c) and has_vnni()
+                // (avx512vnni); the bounds are checked above.
+                $($n => unsafe { q8::avx512::dots_interleaved::<$n, B>(w, rows, &a, cold, out, stride) },)*
+                _ => unreachable!("groups of integer products are 1 to 16 rows"),
+            }
+        };
+    }
+    by_group!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
 }
 
 /// Products smaller than this many multiply-adds run on the calling thread.
@@ -1605,6 +1624,7 @@ mod tests {
 
     /// The same matrix in every storage this module has a kernel for.
     fn all_storages(m: &Matrix, rng: &mut ChaCha8Rng) -> Vec<Matrix> {
+        let Storage::Q4_1(q41) = &m.storage else { unreachable!("all_storages starts from Q4_1 rows") };
         let w = dense(m);
         let n = m.rows * m.cols / QK;
         let q8: Vec<BlockQ8_0> = (0..n).map(|_| BlockQ8_0 { d: f16::from_f32(rng.random_range(0.001..0.02)), qs: std::array::from_fn(|_| rng.random()) }).collect();
@@ -1613,6 +1633,7 @@ mod tests {
             m.clone(),
             Matrix { storage: Storage::Q8_0(q8.clone()), ..m.clone() },
             Matrix { storage: Storage::Q8_0Interleaved(q8::Interleaved::new(&q8, m.cols / QK)), ..m.clone() },
+            Matrix { storage: Storage::Q4_1Interleaved(q8::Interleaved::new(q41, m.cols / QK)), ..m.clone() },
             Matrix { storage: Storage::Q4_0(q4), ..m.clone() },
             Matrix { storage: Storage::F16(w.iter().map(|v| f16::from_f32(*v)).collect()), ..m.clone() },
             Matrix { storage: Storage::F32(w), ..m.clone() },
@@ -1896,24 +1917,28 @@ mod tests {
         assert_eq!(&sub[128..], &full[9 * 64..10 * 64]);
     }
 
-    /// Interleaved Q8_0 rows give back each block as it was, whole rows and chosen rows; rows of 3 blocks, so a group's
-    /// last vector of scales is half used, and 37 rows, so its last group is partly filled.
+    /// Interleaved Q8_0 and Q4_1 rows give back each block as it was, whole rows and chosen rows; rows of 3 blocks, so
+    /// a group's last vector of Q8_0 scales is half used, and 37 rows, so its last group is partly filled.
     #[test]
-    fn interleaved_q8_0_rows_read_back_as_their_blocks() {
+    fn interleaved_rows_read_back_as_their_blocks() {
         let mut rng = ChaCha8Rng::seed_from_u64(21);
         let (rows, nb) = (37, 3);
-        let blocks: Vec<BlockQ8_0> = (0..rows * nb).map(|_| BlockQ8_0 { d: f16::from_f32(rng.random_range(-0.02..0.02)), qs: std::array::from_fn(|_| rng.random()) }).collect();
-        let bits = |b: &BlockQ8_0| (b.d.to_bits(), b.qs);
-        let interleaved = q8::Interleaved::new(&blocks, nb);
-        let mut back = Vec::new();
-        interleaved.blocks_into(0..rows, &mut back);
-        assert_eq!(back.iter().map(bits).collect::<Vec<_>>(), blocks.iter().map(bits).collect::<Vec<_>>());
-        let picked = interleaved.select_rows(&[36, 0, 17]);
-        picked.blocks_into(0..3, &mut back);
-        let expected: Vec<_> = [36, 0, 17].iter().flat_map(|r| &blocks[r * nb..(r + 1) * nb]).map(bits).collect();
-        assert_eq!(back.iter().map(bits).collect::<Vec<_>>(), expected);
-        let m = Matrix { rows, cols: nb * QK, storage: Storage::Q8_0(blocks) };
-        let i = Matrix { storage: Storage::Q8_0Interleaved(interleaved), ..m.clone() };
-        assert_eq!(dense(&i), dense(&m));
+        let q8_0: Vec<BlockQ8_0> = (0..rows * nb).map(|_| BlockQ8_0 { d: f16::from_f32(rng.random_range(-0.02..0.02)), qs: std::array::from_fn(|_| rng.random()) }).collect();
+        let q8_bits = |b: &BlockQ8_0| (b.d.to_bits(), b.qs.map(|q| q as u8).to_vec());
+        check(&q8_0, nb, q8_bits, Storage::Q8_0, Storage::Q8_0Interleaved);
+        let Storage::Q4_1(q4_1) = random_q4_1(rows, nb * QK, &mut rng).storage else { unreachable!() };
+        let q4_bits = |b: &BlockQ4_1| (b.d.to_bits() as u32 | (b.m.to_bits() as u32) << 16, b.qs.to_vec());
+        check(&q4_1, nb, q4_bits, Storage::Q4_1, Storage::Q4_1Interleaved);
+
+        fn check<B: q8::Interleave, K: PartialEq + std::fmt::Debug>(blocks: &[B], nb: usize, bits: impl Fn(&B) -> K, plain: fn(Vec<B>) -> Storage, laid_out: fn(q8::Interleaved<B>) -> Storage) {
+            let rows = blocks.len() / nb;
+            let interleaved = q8::Interleaved::new(blocks, nb);
+            assert_eq!(interleaved.blocks(0..rows).iter().map(&bits).collect::<Vec<_>>(), blocks.iter().map(&bits).collect::<Vec<_>>());
+            let expected: Vec<_> = [36, 0, 17].iter().flat_map(|r| &blocks[r * nb..(r + 1) * nb]).map(&bits).collect();
+            assert_eq!(interleaved.select_rows(&[36, 0, 17]).blocks(0..3).iter().map(&bits).collect::<Vec<_>>(), expected);
+            let m = Matrix { rows, cols: nb * QK, storage: plain(blocks.to_vec()) };
+            let i = Matrix { storage: laid_out(interleaved), ..m.clone() };
+            assert_eq!(dense(&i), dense(&m));
+        }
     }
 }
