@@ -114,8 +114,8 @@ impl Block for BlockQ8_0 {
     }
 }
 
-fn blocks_into(blocks: &[impl Block], out: &mut [f32]) {
-    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+fn blocks_into<B: Block>(blocks: impl IntoIterator<Item = B>, out: &mut [f32]) {
+    for (b, o) in blocks.into_iter().zip(out.chunks_exact_mut(QK)) {
         o.copy_from_slice(&b.values());
     }
 }
@@ -173,11 +173,11 @@ impl Matrix {
         match &self.storage {
             Storage::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
             Storage::F16(v) => out.iter_mut().zip(&v[r * c..(r + 1) * c]).for_each(|(o, w)| *o = w.to_f32()),
-            Storage::Q4_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
-            Storage::Q4_1(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
-            Storage::Q8_0(v) => blocks_into(&v[r * nb..(r + 1) * nb], out),
-            Storage::Q4_1Interleaved(v) => blocks_into(&v.blocks(r..r + 1), out),
-            Storage::Q8_0Interleaved(v) => blocks_into(&v.blocks(r..r + 1), out),
+            Storage::Q4_0(v) => blocks_into(v[r * nb..(r + 1) * nb].iter().copied(), out),
+            Storage::Q4_1(v) => blocks_into(v[r * nb..(r + 1) * nb].iter().copied(), out),
+            Storage::Q8_0(v) => blocks_into(v[r * nb..(r + 1) * nb].iter().copied(), out),
+            Storage::Q4_1Interleaved(v) => blocks_into((0..nb).map(|b| v.block(r, b)), out),
+            Storage::Q8_0Interleaved(v) => blocks_into((0..nb).map(|b| v.block(r, b)), out),
             Storage::Q4K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q5K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
             Storage::Q6K(v) => kquants::dequantize(&v[r * nk..(r + 1) * nk], out),
@@ -354,9 +354,10 @@ impl Matrix {
             (Storage::Q4_1(v), Some(a)) => by_group!(N => dots_q8_rows::<N, _>(kernel, &v[tile(nb)], nb, &a, cold, out, stride)),
             (Storage::Q8_0(v), Some(a)) => by_group!(N => dots_q8_rows::<N, _>(kernel, &v[tile(nb)], nb, &a, cold, out, stride)),
             #[cfg(target_arch = "x86_64")]
-            (Storage::Q4_1Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => interleaved_dots(v, rows, a, cold, out, stride, g),
+            // SAFETY (both): Kernel::Avx512 means avx512f/bw/vl, avx2, fma and f16c, and has_vnni() checked avx512vnni.
+            (Storage::Q4_1Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => by_group!(N => unsafe { interleaved_dots::<N, _>(v, rows, &a, cold, out, stride) }),
             #[cfg(target_arch = "x86_64")]
-            (Storage::Q8_0Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => interleaved_dots(v, rows, a, cold, out, stride, g),
+            (Storage::Q8_0Interleaved(v), Some(a)) if kernel == Kernel::Avx512 && has_vnni() => by_group!(N => unsafe { interleaved_dots::<N, _>(v, rows, &a, cold, out, stride) }),
             // Another kernel or activations than the layout was made for (tests compare them all; a mode set after
             // loading): the tile's rows in the GGUF layout again.
             (Storage::Q4_1Interleaved(v), _) => {
@@ -414,22 +415,17 @@ impl Matrix {
     }
 }
 
-/// `Matrix::tile_dots` for interleaved rows on the AVX-512 VNNI kernel.
+/// Interleaved rows `rows` of `w` times N activation rows (`a`) on the AVX-512 VNNI kernel: row r's product with
+/// activation row j goes to `out[j · stride + r − rows.start]`.
+///
+/// # Safety
+/// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c (`Kernel::Avx512` and `has_vnni()`).
 #[cfg(target_arch = "x86_64")]
-fn interleaved_dots<B: q8::Interleave + q8::VectorBlock>(w: &q8::Interleaved<B>, rows: std::ops::Range<usize>, a: Q8View, cold: bool, out: &mut [f32], stride: usize, g: usize) {
-    let nb = a.d.len() / g;
-    assert!(rows.end <= w.rows() && (g - 1) * stride + rows.len() <= out.len() && a.qs.len() >= g * nb * QK && a.sums.len() >= g * nb);
-    macro_rules! by_group {
-        ($($n:literal)*) => {
-            match g {
-                // SAFETY: only where the caller found Kernel::Avx512 (avx512f/bw/vl, avx2, fma and f16c) and has_vnni()
-                // (avx512vnni); the bounds are checked above.
-                $($n => unsafe { q8::avx512::dots_interleaved::<$n, B>(w, rows, &a, cold, out, stride) },)*
-                _ => unreachable!("groups of integer products are 1 to 16 rows"),
-            }
-        };
-    }
-    by_group!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+unsafe fn interleaved_dots<const N: usize, B: q8::Interleave + q8::VectorBlock>(w: &q8::Interleaved<B>, rows: std::ops::Range<usize>, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
+    let nb = a.d.len() / N;
+    assert!(rows.end <= w.rows() && (N - 1) * stride + rows.len() <= out.len() && a.qs.len() >= N * nb * QK && a.sums.len() >= N * nb);
+    // SAFETY: the CPU features are the caller's promise; the bounds are checked above.
+    unsafe { q8::avx512::dots_interleaved::<N, B>(w, rows, a, cold, out, stride) }
 }
 
 /// Products smaller than this many multiply-adds run on the calling thread.
