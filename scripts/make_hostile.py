@@ -476,6 +476,11 @@ def main():
     case("gguf-embd-zero-dims.gguf", score,
          gguf_bytes(kvs=gguf_kvs(**{"llama.vocab_size": None}),
                     info_patch=lambda n, ne, t, o: ([], t, o) if n == "token_embd.weight" else (ne, t, o)))
+    # Q8_0 (8) and Q4_1 (3) rows of 48 columns: not whole blocks of 32, which the loader refuses before laying them
+    # out for the kernel (96 values: 3 blocks' bytes, within the tensor's f32 data).
+    for name, ggml_type in (("gguf-q8_0-columns-not-blocks.gguf", 8), ("gguf-q4_1-columns-not-blocks.gguf", 3)):
+        case(name, score, gguf_bytes(info_patch=lambda n, ne, t, o, ggml_type=ggml_type:
+                                     ([48, 2], ggml_type, o) if n == "blk.0.ffn_up.weight" else (ne, t, o)))
     case("gguf-unknown-ggml-type.gguf", score,
          gguf_bytes(info_patch=lambda n, ne, t, o: (ne, 99, o) if n == "blk.0.ffn_up.weight" else (ne, t, o)))
     case("gguf-alignment-zero.gguf", score, gguf_bytes(kvs=gguf_kvs() + [gu32("general.alignment", 0)]))
