@@ -440,12 +440,17 @@ fn teacher_data_is_reused_part_by_part() {
         assert_eq!(bytes(fewer.join(part)), bytes(alone.join(part)), "{part}");
     }
     assert_ne!(bytes(fewer.join("teacher.safetensors")), bytes(second.join("teacher.safetensors")));
-    // More of the parts that grow: the smaller folder's conversations and the rest made now, byte for byte what the
-    // larger run made from nothing; self-prompted requests do not grow and are written anew.
+    // More of every part: the smaller folder's conversations and the rest made now, byte for byte what the larger
+    // run made from nothing (self-prompted requests are written again, and must come out the same).
     let (done, grown) = run_with("grown", "3", "2", "2", &["--teacher-from", fewer.to_str().unwrap()]);
     let said = String::from_utf8_lossy(&done.stderr);
     assert!(done.status.success(), "{said}");
-    for taken in ["teacher data: the first 2 of 3 conversations cached", "continuations: the first 1 of 2 conversations cached"] {
+    for taken in [
+        "teacher data: the first 2 of 3 conversations cached",
+        "continuations: the first 1 of 2 conversations cached",
+        "self-prompts: 1 of 2 cached",
+        "self-prompted answers: the first 1 of 2 conversations cached",
+    ] {
         assert!(said.contains(taken), "{said}");
     }
     for part in ["teacher.safetensors", "continuations.safetensors", "self-prompts.json", "self-prompts.safetensors"] {
@@ -457,11 +462,17 @@ fn teacher_data_is_reused_part_by_part() {
     assert!(!done.status.success() && err.contains("none of its teacher data"), "{err}");
     assert!(!third.exists(), "no partial output");
     // A damaged request file in a folder stops the run with one error naming it.
-    for (text, expected) in [("not json", "self-prompts.json is damaged"), (r#"["one request"]"#, "holds 1 requests, not 2: it is damaged")] {
+    for (text, expected) in [
+        ("not json", "self-prompts.json is damaged"),
+        (r#"["one", "two", "three"]"#, "holds 3 requests, more than 2: it is damaged"),
+        (r#"["one request"]"#, "its 1 requests are not the first of the 2 the target writes now: it is damaged"),
+    ] {
         std::fs::write(second.join("self-prompts.json"), text).unwrap();
         let (done, _) = run("second", "3", "2", &[]);
         let err = String::from_utf8_lossy(&done.stderr);
-        assert!(!done.status.success() && err.contains(expected) && err.lines().count() == 1, "{err}");
+        // One error, after what the run said it was doing (rewriting the one request it found).
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert!(!done.status.success() && errors.len() == 1 && errors[0].contains(expected) && err.trim_end().ends_with(errors[0]), "{err}");
     }
     // So does a damaged request file in the folder whose first requests are taken.
     for (i, (text, expected)) in [("not json", "self-prompts.json is damaged"), ("[]", "holds fewer than the 1 its run.json promises")].into_iter().enumerate() {
