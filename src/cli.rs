@@ -315,7 +315,7 @@ pub enum Command {
         draft_vocab: Option<usize>,
         /// Reuse the teacher data of another training folder made from the same target, corpus and seed, in as many
         /// conversations or more (then its first ones), or in fewer (then the rest made here; self-prompted requests
-        /// are written anew).
+        /// are all written again and the cached ones must come out first, but only the new ones are answered).
         #[arg(long)]
         teacher_from: Option<PathBuf>,
         /// Start from this head (a folder train-eagle exported, or one packed as heads ship, its Q8_0 matrices
