@@ -35,7 +35,8 @@
 # 1,033 s, 1,500 continuations read in 562 s; 3,875 steps in 5,416 s), +0.090, 1.785; then a second epoch over the
 # same (3,875 steps in ≈ 6,500 s, partly beside builds), +0.077, 1.862; then one epoch over all of it and 6,633
 # ShareGPT follow-ups (users' later requests with the turns before them; ≈ 1.0 s each to answer alone, 5,533 steps
-# in ≈ 6,900 s at ≈ 1.25 s), +0.102, 1.964. Packed in Q8_0 (frspec pack-head); each
+# in ≈ 6,900 s at ≈ 1.25 s), +0.102, 1.964; then a second epoch over the same (5,533 steps, the last 5,033 in 5,595 s
+# after a resume, ≈ 1.1 s a step nearly alone on a 2-core AMD EPYC Zen 4), +0.081, 2.045. Packed in Q8_0 (frspec pack-head); each
 # stage from the third starts from the head before packed, as shipped and measured. Since 2026-12-06, when the
 # eighth stage ran, a step over the seventh stage's data takes ≈ 0.8 of its time then
 # (results/train/training-speed-2026-12-06.md).
@@ -56,7 +57,7 @@ shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
 [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
-# EAGLE-1's recipe has four stages, EAGLE-3's eight; each after the first starts from the head before with fresh
+# EAGLE-1's recipe has four stages, EAGLE-3's nine; each after the first starts from the head before with fresh
 # optimizer moments and a schedule of its own (--init-from).
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
@@ -70,7 +71,8 @@ case $arch in
           second=("${recipe[@]}" --teacher-from "$run"); second_name=restart2; second_steps=1200
           later=(--arch eagle3 --draft-vocab 8192 --unroll 2)
           later_stages=("sg3600-q8 0 0 3600 0 0" "sg8800-q8 0 0 8800 0 0" "sg8800-sp2800-q8 0 0 8800 2800 0" "p2400-c1500-q8 2400 1500 8800 2800 0"
-                        "p2400-c1500-q8-2ep 2400 1500 8800 2800 0" "fu6633-q8 2400 1500 8800 2800 6633") ;;
+                        "p2400-c1500-q8-2ep 2400 1500 8800 2800 0" "fu6633-q8 2400 1500 8800 2800 6633"
+                        "fu6633-q8-2ep 2400 1500 8800 2800 6633") ;;
 esac
 start=$(date +%s)
 train() {
