@@ -465,7 +465,7 @@ fn teacher_data_is_reused_part_by_part() {
     for (text, expected) in [
         ("not json", "self-prompts.json is damaged"),
         (r#"["one", "two", "three"]"#, "holds 3 requests, more than 2: it is damaged"),
-        (r#"["one request"]"#, "its 1 requests are not the first of the 2 the target writes now: it is damaged"),
+        (r#"["one request"]"#, "its request 1 is not the one the target writes now: it is damaged"),
     ] {
         std::fs::write(second.join("self-prompts.json"), text).unwrap();
         let (done, _) = run("second", "3", "2", &[]);

@@ -292,7 +292,7 @@ fn training_against_a_keep_set_learns_and_the_whole_vocabulary_as_keep_set_chang
 #[test]
 fn the_target_writes_its_own_requests_the_same_for_a_seed() {
     let (_dir, target, _) = setup();
-    let requests = |count, seed, max_tokens| train::self_prompts(&target, count, seed, max_tokens, &mut |_| {});
+    let requests = |count, seed, max_tokens| train::self_prompts(&target, count, seed, max_tokens, &mut |_| Ok(()));
     let a = requests(5, 7, 48).unwrap();
     assert_eq!(a, requests(5, 7, 48).unwrap());
     assert_ne!(a, requests(5, 8, 48).unwrap());

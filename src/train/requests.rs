@@ -157,8 +157,9 @@ const SELF_PROMPT_SAMPLING: Sampling = Sampling { temperature: 1.0, top_p: 1.0 }
 
 /// `count` requests the target writes itself (Magpie): the chat up to the user's turn, continued by sampling until
 /// the turn ends. Attempt a draws from its own stream of `seed`, so a request does not depend on the batch it was
-/// decoded in; attempts that run past `max_tokens`, come out blank or repeat an earlier request are dropped.
-pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize, on_done: &mut dyn FnMut(&str)) -> Result<Vec<String>> {
+/// decoded in; attempts that run past `max_tokens`, come out blank or repeat an earlier request are dropped. An error
+/// from `on_done`, told each request as it is kept, stops the writing.
+pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize, on_done: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<String>> {
     let tok = &target.tokenizer;
     let prefix = tok.user_turn_prefix()?;
     let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
@@ -179,7 +180,7 @@ pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize,
         for c in written.into_iter().filter(|c| c.stop == StopReason::EndOfTurn) {
             let request = tok.decode(&c.tokens[prefix.len()..c.tokens.len() - 1])?.trim().to_string();
             if out.len() < count && !request.is_empty() && seen.insert(request.clone()) {
-                on_done(&request);
+                on_done(&request)?;
                 out.push(request);
             }
         }
