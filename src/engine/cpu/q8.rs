@@ -275,6 +275,11 @@ impl<B: Interleave> Interleaved<B> {
         self.rows
     }
 
+    /// Blocks of 32 values a row holds.
+    pub fn row_blocks(&self) -> usize {
+        self.nb
+    }
+
     /// Block `b` of row `r` in its GGUF layout.
     pub fn block(&self, r: usize, b: usize) -> B {
         let (group, lane) = (&self.vectors[r / LANES * Interleaved::<B>::group_vectors(self.nb)..], r % LANES);

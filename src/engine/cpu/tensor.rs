@@ -422,8 +422,9 @@ impl Matrix {
 /// On a CPU with avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and f16c (`Kernel::Avx512` and `has_vnni()`).
 #[cfg(target_arch = "x86_64")]
 unsafe fn interleaved_dots<const N: usize, B: q8::Interleave + q8::VectorBlock>(w: &q8::Interleaved<B>, rows: std::ops::Range<usize>, a: &Q8View, cold: bool, out: &mut [f32], stride: usize) {
-    let nb = a.d.len() / N;
-    assert!(rows.end <= w.rows() && (N - 1) * stride + rows.len() <= out.len() && a.qs.len() >= N * nb * QK && a.sums.len() >= N * nb);
+    // The kernel reads N activation rows of the weights' blocks a row: checked against the weights, not `a`.
+    let nb = w.row_blocks();
+    assert!(rows.end <= w.rows() && (N - 1) * stride + rows.len() <= out.len() && a.qs.len() >= N * nb * QK && a.d.len() >= N * nb && a.sums.len() >= N * nb);
     // SAFETY: the CPU features are the caller's promise; the bounds are checked above.
     unsafe { q8::avx512::dots_interleaved::<N, B>(w, rows, a, cold, out, stride) }
 }
