@@ -207,6 +207,10 @@ pub enum Command {
         /// ratios: a draft at full vocabulary against a pruned one, say. Repeatable; the table follows their order.
         #[arg(long, value_parser = ratio_pair)]
         pair: Vec<frspec::outputs::compare::RatioPair>,
+        /// Follow each cell's row with one per category of the base sweep's prompts (MT-Bench's eight), each
+        /// paired over that category's prompts only.
+        #[arg(long)]
+        by_category: bool,
         /// Write the Markdown table to this file instead of stdout.
         #[arg(long)]
         out: Option<PathBuf>,

@@ -163,19 +163,23 @@ fn run(cli: Cli) -> Result<()> {
         Command::Report { dir, out } => {
             let result = frspec::outputs::check::SweepResult::load(&dir)?;
             let timings = result.timings()?;
-            let text = format!(
+            let mut text = format!(
                 "{}\n\nValues with 95% bootstrap intervals over prompts; Δ rows are paired differences.\n\n{}",
                 frspec::outputs::report::title(&result.manifest),
                 frspec::outputs::report::table(&result.cells, &timings, true)
             );
+            let runs = frspec::outputs::compare::runs(&dir)?;
+            if let Some(table) = frspec::outputs::report::category_table(&runs, frspec::stats::Bootstrap::default())? {
+                text += &format!("\n## By category\n\nEach category's prompts alone; Δ rows are paired over them.\n\n{table}");
+            }
             match out {
                 Some(path) => std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?,
                 None => print!("{text}"),
             }
         }
-        Command::Compare { base, other, pair, out } => {
+        Command::Compare { base, other, pair, by_category, out } => {
             use frspec::outputs::compare;
-            let rows = compare::compare(&compare::runs(&base)?, &compare::runs(&other)?, &pair, frspec::stats::Bootstrap::default())?;
+            let rows = compare::compare(&compare::runs(&base)?, &compare::runs(&other)?, &pair, by_category, frspec::stats::Bootstrap::default())?;
             let name = |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned());
             let table = compare::table(&rows, &name(&base), &name(&other));
             match out {

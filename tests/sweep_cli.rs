@@ -120,12 +120,19 @@ fn writes_the_tables_with_their_schema_and_counts_and_repeats_them_byte_for_byte
     let table = ok(compare);
     assert_eq!(table.lines().count(), 2 + 4, "{table}");
     assert!(table.lines().skip(2).all(|l| l.contains("| +0.000 [+0.000, +0.000] |") && l.ends_with("| 0 / 0 |")), "{table}");
+    // By category: each cell's row, then writing (prompts 81 and 83) and math (82), in the dataset's order.
+    let mut compare = frspec();
+    compare.args(["compare", a.to_str().unwrap(), b.to_str().unwrap(), "--by-category"]);
+    let table = ok(compare);
+    let categories: Vec<(&str, &str)> = table.lines().skip(2).map(|l| { let c: Vec<&str> = l.split(" | ").collect(); (c[2], c[3]) }).collect();
+    assert_eq!(categories, [("all", "3"), ("writing", "2"), ("math", "1")].repeat(4), "{table}");
+    assert!(table.lines().skip(2).all(|l| l.contains("| +0.000 [+0.000, +0.000] |")), "{table}");
     // Read back, the runs give the summary's paired differences: ratio 0.5 against ratio 0, as if two sweeps.
     use frspec::outputs::{compare, store::RunCounts};
     let runs = compare::runs(&a).unwrap();
     assert_eq!(runs.len(), runs_height(&a));
     let at = |ratio: f64| runs.iter().filter(|r| r.ratio == ratio).map(|r| RunCounts { ratio: 0.0, ..r.clone() }).collect::<Vec<_>>();
-    let rows = compare::compare(&at(0.0), &at(0.5), &[], frspec::stats::Bootstrap::default()).unwrap();
+    let rows = compare::compare(&at(0.0), &at(0.5), &[], false, frspec::stats::Bootstrap::default()).unwrap();
     let temperature: Vec<f32> = summary.column("temperature").unwrap().f32().unwrap().into_no_null_iter().collect();
     assert_eq!(rows.len(), 2);
     for row in rows {
@@ -406,6 +413,15 @@ fn plots_and_report_of_a_sweep() {
         c
     });
     assert!(report.contains("| ratio | vanilla | 0.5 |") && report.contains("| T=1 mean acceptance length |"), "{report}");
+    // The fixture's prompts alternate writing and math: each gets its rows at both temperatures, in that order.
+    let by_category = report.split_once("## By category").map(|(_, t)| t).unwrap_or_else(|| panic!("{report}"));
+    let rows: Vec<&str> = by_category.lines().filter(|l| l.starts_with("| T=")).map(|l| l.split(" |").next().unwrap()).collect();
+    let expected: Vec<String> = ["0", "1"]
+        .iter()
+        .flat_map(|t| ["writing", "math"].map(|c| [format!("| T={t} {c} mean acceptance length"), format!("| T={t} {c} Δ length vs vanilla")]))
+        .flatten()
+        .collect();
+    assert_eq!(rows, expected, "{report}");
     let err = frspec().args(["plot", f.dir.path().to_str().unwrap()]).output().unwrap();
     assert_eq!(err.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&err.stderr).contains("holds no summary.parquet"));

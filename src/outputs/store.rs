@@ -183,6 +183,8 @@ fn position_columns(df: &DataFrame) -> usize {
 pub struct RunCounts {
     pub ratio: f64,
     pub temperature: f32,
+    /// The dataset's category of the run's prompt, where it names one (MT-Bench's eight).
+    pub category: Option<String>,
     pub unit: Unit,
 }
 
@@ -193,7 +195,10 @@ pub fn read_runs(path: &Path) -> Result<Vec<RunCounts>> {
     let u = |name: &str| u64s(&df, path, name);
     let (ratio, temperature, repeat, expected) = (f("ratio")?, f("temperature")?, u("repeat")?, f("expected_accepted")?);
     let (drafts, draft_tokens, accepted) = (u("drafts")?, u("draft_tokens")?, u("accepted")?);
-    let question = values(&df, path, "question_id", |c| Ok(c.str()?.iter().map(|s| s.map(String::from)).collect()))?;
+    let strings = |name: &str| values(&df, path, name, |c| Ok(c.cast(&DataType::String)?.str()?.iter().map(|s| s.map(String::from)).collect()));
+    let question = strings("question_id")?;
+    // Sweeps before categories were stored have no such column: their runs name none.
+    let category = if df.column("category").is_ok() { strings("category")? } else { vec![None; df.height()] };
     let positions = (1..=position_columns(&df)).map(|i| u(&format!("accepted_pos{i}"))).collect::<Result<Vec<_>>>()?;
     (0..df.height())
         .map(|i| {
@@ -205,7 +210,8 @@ pub fn read_runs(path: &Path) -> Result<Vec<RunCounts>> {
                 expected_accepted: expected[i],
                 accepted_per_pos: positions.iter().map(|p| p[i]).collect(),
             };
-            Ok(RunCounts { ratio: ratio[i], temperature: temperature[i] as f32, unit: Unit { prompt, repeat: repeat[i] as usize, counts } })
+            let unit = Unit { prompt, repeat: repeat[i] as usize, counts };
+            Ok(RunCounts { ratio: ratio[i], temperature: temperature[i] as f32, category: category[i].clone(), unit })
         })
         .collect()
 }
