@@ -361,6 +361,9 @@ pub enum CorpusFormat {
     Text,
     /// Brown-corpus style `word/TAG` tokens: the tags are stripped, the words of a line joined by spaces.
     Tagged,
+    /// A ShareGPT file (the one `train-eagle --sharegpt` reads): the assistant's turns of its complete records, each
+    /// one text with its line breaks. Chat answers, code and tables among them: ids that prose corpora rarely count.
+    Sharegpt,
 }
 
 /// Corpus arguments as files: a folder stands for every file inside it (sorted by name, hidden files skipped).
@@ -384,17 +387,23 @@ pub fn corpus_files(corpus: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// The lines of a corpus file, as the text to tokenize.
+/// The lines of a corpus file, as the text to tokenize (for ShareGPT, its answers).
 pub fn corpus_lines(path: &Path, format: CorpusFormat) -> Result<Vec<String>> {
+    let strip_tags = match format {
+        CorpusFormat::Text => false,
+        CorpusFormat::Tagged => true,
+        CorpusFormat::Sharegpt => {
+            let turns = crate::text::sharegpt::read(path)?.conversations.into_iter().flat_map(|c| c.conversations);
+            return Ok(turns.filter(|t| t.from == "gpt" && !t.value.trim().is_empty()).map(|t| t.value).collect());
+        }
+    };
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read corpus file {}", path.display()))?;
     Ok(text
         .lines()
         .filter(|l| !l.trim().is_empty())
-        .map(|l| match format {
-            CorpusFormat::Text => l.to_string(),
-            CorpusFormat::Tagged => {
-                l.split_whitespace().map(|w| w.rsplit_once('/').map_or(w, |(word, _)| word)).collect::<Vec<_>>().join(" ")
-            }
+        .map(|l| match strip_tags {
+            false => l.to_string(),
+            true => l.split_whitespace().map(|w| w.rsplit_once('/').map_or(w, |(word, _)| word)).collect::<Vec<_>>().join(" "),
         })
         .collect())
 }

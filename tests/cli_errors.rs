@@ -196,6 +196,35 @@ fn bad_frequency_build_input() {
 }
 
 #[test]
+fn frequencies_from_sharegpt_answers_count_the_assistant_turns_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (sharegpt, out) = (dir.path().join("sharegpt.json"), dir.path().join("f.safetensors"));
+    let records = [
+        sharegpt_record("a", &[("human", "Write a loop."), ("gpt", "for i in range(3):\\n    print(i)")]),
+        sharegpt_record("b", &[("human", "Thanks."), ("gpt", "You are welcome.")]),
+    ];
+    std::fs::write(&sharegpt, format!("[\n{},\n{{\"id\": \"c\", \"conversations\": [{{\"from\": \"gpt\", \"val", records.join(",\n"))).unwrap();
+    let (s, o) = (sharegpt.to_str().unwrap(), out.to_str().unwrap());
+    let done = frspec().args(["freq", "build", "--tokenizer", "smollm2", "--corpus", s, "--format", "sharegpt", "--out", o]).output().unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let tokenizer = frspec::loading::target::load_tokenizer("smollm2").unwrap();
+    let mut expected = vec![0u64; tokenizer.vocab_size];
+    for answer in ["for i in range(3):\n    print(i)", "You are welcome."] {
+        tokenizer.encode(answer).unwrap().into_iter().for_each(|id| expected[id as usize] += 1);
+    }
+    let f = frspec::vocab::Frequencies::load(&out).unwrap();
+    let mut counted = vec![0u64; tokenizer.vocab_size];
+    f.ranking.iter().zip(f.counts.unwrap()).for_each(|(&id, c)| counted[id as usize] = c);
+    let differing: Vec<usize> = (0..counted.len()).filter(|&i| counted[i] != expected[i]).collect();
+    assert!(differing.is_empty(), "the answers, line breaks kept, no request: ids {differing:?} differ");
+    assert_eq!(f.metadata["tokens"], expected.iter().sum::<u64>().to_string());
+    std::fs::remove_file(&out).unwrap();
+    std::fs::write(&sharegpt, "[{\"id\": \"a\", \"conversations\": 3}]").unwrap();
+    let err = fails(&["freq", "build", "--tokenizer", "smollm2", "--corpus", s, "--format", "sharegpt", "--out", o], &[]);
+    assert!(err.contains("sharegpt.json") && !out.exists(), "{err}");
+}
+
+#[test]
 fn frequencies_from_target_outputs_and_bad_datasets() {
     let model = synthetic_dir();
     let dir = tempfile::tempdir().unwrap();

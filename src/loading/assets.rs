@@ -26,6 +26,18 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
         "Brown-corpus token frequencies for Llama-3.1",
         "scripts/build-freq.sh",
     ),
+    (
+        "sharegpt-smollm2",
+        "freq/sharegpt-smollm2.safetensors",
+        "ShareGPT-answer token frequencies for SmolLM2",
+        "scripts/fetch-assets.sh sharegpt && scripts/build-freq.sh",
+    ),
+    (
+        "sharegpt-llama31-tokenizer",
+        "freq/sharegpt-llama31-tokenizer.safetensors",
+        "ShareGPT-answer token frequencies for Llama-3.1",
+        "scripts/fetch-assets.sh sharegpt && scripts/build-freq.sh",
+    ),
 ];
 
 /// What this repository made itself and ships inside the binary, so that any copy of frspec (an installed one, one
