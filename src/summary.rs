@@ -61,11 +61,16 @@ pub fn ratio_name(ratio: f64) -> String {
 
 /// The temperatures of `cells`, in their order of first appearance.
 pub fn temperatures(cells: &[CellSummary]) -> Vec<f32> {
-    cells.iter().fold(Vec::new(), |mut t, c| {
-        if !t.contains(&c.temperature) {
-            t.push(c.temperature);
+    firsts(cells.iter().map(|c| c.temperature))
+}
+
+/// The distinct values, in their order of first appearance.
+pub fn firsts<T: PartialEq>(values: impl Iterator<Item = T>) -> Vec<T> {
+    values.fold(Vec::new(), |mut seen, v| {
+        if !seen.contains(&v) {
+            seen.push(v);
         }
-        t
+        seen
     })
 }
 

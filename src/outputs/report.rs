@@ -4,7 +4,7 @@
 
 use super::store::RunCounts;
 use crate::stats::{estimate, paired_difference, Bootstrap, Estimate, Metric, Unit};
-use crate::summary::{CellSummary, CellTiming};
+use crate::summary::{firsts, CellSummary, CellTiming};
 use anyhow::Result;
 use std::fmt::Write;
 
@@ -109,16 +109,6 @@ pub fn category_table(runs: &[RunCounts], b: Bootstrap) -> Result<Option<String>
         }
     }
     Ok(Some(markdown_table(&rows)))
-}
-
-/// The distinct values, in their order of first appearance.
-fn firsts<T: PartialEq>(values: impl Iterator<Item = T>) -> Vec<T> {
-    values.fold(Vec::new(), |mut seen, v| {
-        if !seen.contains(&v) {
-            seen.push(v);
-        }
-        seen
-    })
 }
 
 /// One line naming what a sweep measured, from its manifest.
