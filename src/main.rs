@@ -168,7 +168,11 @@ fn run(cli: Cli) -> Result<()> {
                 frspec::outputs::report::title(&result.manifest),
                 frspec::outputs::report::table(&result.cells, &timings, true)
             );
-            let runs = frspec::outputs::compare::runs(&dir)?;
+            // The per-category table needs the runs; a folder of the summary alone still reports.
+            let runs = match dir.join(frspec::outputs::store::RUNS).exists() {
+                true => frspec::outputs::compare::runs(&dir)?,
+                false => Vec::new(),
+            };
             if let Some(table) = frspec::outputs::report::category_table(&runs, frspec::stats::Bootstrap::default())? {
                 text += &format!("\n## By category\n\nEach category's prompts alone; Δ rows are paired over them.\n\n{table}");
             }
