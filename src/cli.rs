@@ -412,12 +412,17 @@ pub enum FreqCommand {
     },
     /// Print the coverage of a frequency file: the share of counted tokens kept at each pruning ratio.
     Show {
-        file: PathBuf,
+        /// A frequency file or a named one such as brown-smollm2.
+        file: String,
         #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75,0.9,0.95,0.99", value_parser = ratio)]
         ratios: Vec<f64>,
         /// The vocabulary the ratios apply to (default: the file's own).
         #[arg(long)]
         vocab: Option<usize>,
+        /// Also the share of this frequency file's tokens that each keep set holds (the target's own answers from
+        /// `freq from-outputs`, say): what a keep set covers of the text it will draft, not of its own corpus.
+        #[arg(long)]
+        on: Option<String>,
     },
 }
 

@@ -6,7 +6,7 @@ use frspec::commands::sweep::FolderMode;
 use frspec::commands::{bench, freq, generate, score};
 use frspec::sampling::Sampling;
 use frspec::speculative::DraftKind;
-use frspec::vocab::{Frequencies, KeepRule};
+use frspec::vocab::KeepRule;
 
 mod cli;
 use cli::{BenchCommand, Cli, Command, FreqCommand};
@@ -294,23 +294,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Freq(FreqCommand::FromOutputs { model, dataset, num_prompts, max_new_tokens, out }) => {
             freq::from_outputs(&model.load()?, &model.model, &dataset, num_prompts, max_new_tokens, &out)?
         }
-        Command::Freq(FreqCommand::Show { file, ratios, vocab }) => {
-            let f = Frequencies::load(&file)?;
-            let vocab = match vocab.or_else(|| f.metadata.get("vocab").and_then(|v| v.parse().ok())) {
-                Some(v) => v,
-                None => bail!("{}: no vocabulary size in the file: pass --vocab", file.display()),
-            };
-            let mut meta: Vec<_> = f.metadata.iter().collect();
-            meta.sort();
-            for (k, v) in meta {
-                println!("{k}: {v}");
-            }
-            println!("{:>7} {:>8} {:>10}", "ratio", "kept", "coverage");
-            for r in ratios {
-                let kept = frspec::vocab::kept_for_ratio(r, vocab);
-                let cov = f.coverage(kept).ok_or_else(|| anyhow::anyhow!("{} has no counts", file.display()))?;
-                println!("{r:>7} {kept:>8} {:>9.2}%", 100.0 * cov);
-            }
+        Command::Freq(FreqCommand::Show { file, ratios, vocab, on }) => {
+            print!("{}", frspec::commands::freq::show(&file, &ratios, vocab, on.as_deref())?);
         }
     }
     Ok(())

@@ -190,6 +190,23 @@ impl Frequencies {
         Some(counts.iter().take(k).sum::<u64>() as f64 / total.max(1) as f64)
     }
 
+    /// The share of `other`'s counted tokens whose ids are among this file's first `k`: how much of another text (the
+    /// target's own answers, say) a keep set ranked here holds, where `coverage` only says how much of its own corpus.
+    /// None when `other` has no counts; an error when the two count different tokenizers' ids.
+    pub fn coverage_on(&self, k: usize, other: &Frequencies) -> Result<Option<f64>> {
+        for key in ["tokenizer_hash", "vocab"] {
+            if let (Some(a), Some(b)) = (self.metadata.get(key), other.metadata.get(key)) {
+                if a != b {
+                    bail!("{} and {} count different vocabularies ({key} {a} and {b})", self.source.display(), other.source.display());
+                }
+            }
+        }
+        let Some(counts) = other.counts.as_ref() else { return Ok(None) };
+        let kept: std::collections::HashSet<u32> = self.ranking.iter().take(k).copied().collect();
+        let held: u64 = other.ranking.iter().zip(counts).filter(|(id, _)| kept.contains(id)).map(|(_, c)| c).sum();
+        Ok(Some(held as f64 / counts.iter().sum::<u64>().max(1) as f64))
+    }
+
     /// Write frspec's own format: safetensors `ids` (i64) and `counts` (i64) in rank order, with metadata.
     pub fn save(&self, path: &Path) -> Result<()> {
         let counts = self.counts.as_ref().ok_or_else(|| anyhow!("only ranked counts can be saved"))?;

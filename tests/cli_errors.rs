@@ -225,6 +225,23 @@ fn frequencies_from_sharegpt_answers_count_the_assistant_turns_only() {
 }
 
 #[test]
+fn coverage_on_another_frequency_file_counts_its_tokens_among_the_kept_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, counts: &[u64], tokenizer_hash: u64| {
+        let path = dir.path().join(name);
+        frspec::vocab::Frequencies::counted(counts, "t", tokenizer_hash, "c".into(), &path).save(&path).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    // Ratio 0.5 of 4 ids keeps a's top two, ids 0 and 1: 15 of a's 16 tokens, 1 of b's 10.
+    let (a, b, other_tokenizer) = (write("a.safetensors", &[10, 5, 1, 0], 7), write("b.safetensors", &[0, 1, 3, 6], 7), write("c.safetensors", &[1, 1, 1, 1], 8));
+    let out = frspec().args(["freq", "show", &a, "--on", &b, "--ratios", "0.5"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.lines().last() == Some("    0.5        2     93.75%     10.00%"), "{stdout}");
+    let err = fails(&["freq", "show", &a, "--on", &other_tokenizer], &[]);
+    assert!(err.contains("count different vocabularies (tokenizer_hash 0000000000000007 and 0000000000000008)"), "{err}");
+}
+
+#[test]
 fn frequencies_from_target_outputs_and_bad_datasets() {
     let model = synthetic_dir();
     let dir = tempfile::tempdir().unwrap();

@@ -37,6 +37,36 @@ pub fn build(tokenizer: &str, corpus: &[PathBuf], format: CorpusFormat, out: &Pa
     Ok(())
 }
 
+/// A frequency file's metadata and, at each ratio, the share of its own counted tokens that the keep set holds, and
+/// with `on` the share of that file's tokens. All or nothing: the text is returned whole or an error.
+pub fn show(file: &str, ratios: &[f64], vocab: Option<usize>, on: Option<&str>) -> Result<String> {
+    use std::fmt::Write;
+    let f = Frequencies::open(file)?;
+    let Some(vocab) = vocab.or_else(|| f.metadata.get("vocab").and_then(|v| v.parse().ok())) else {
+        bail!("{file}: no vocabulary size in the file: pass --vocab");
+    };
+    let on = on.map(Frequencies::open).transpose()?;
+    let mut meta: Vec<_> = f.metadata.iter().collect();
+    meta.sort();
+    let mut out = String::new();
+    for (k, v) in meta {
+        let _ = writeln!(out, "{k}: {v}");
+    }
+    let no_counts = |f: &Frequencies| anyhow::anyhow!("{} has no counts", f.source.display());
+    let on_header = on.as_ref().map_or(String::new(), |o| format!(" {:>10}  (of {})", "on", o.source.display()));
+    let _ = writeln!(out, "{:>7} {:>8} {:>10}{on_header}", "ratio", "kept", "coverage");
+    for &r in ratios {
+        let kept = crate::vocab::kept_for_ratio(r, vocab);
+        let cov = f.coverage(kept).ok_or_else(|| no_counts(&f))?;
+        let on_cov = match &on {
+            Some(o) => format!(" {:>9.2}%", 100.0 * f.coverage_on(kept, o)?.ok_or_else(|| no_counts(o))?),
+            None => String::new(),
+        };
+        let _ = writeln!(out, "{r:>7} {kept:>8} {:>9.2}%{on_cov}", 100.0 * cov);
+    }
+    Ok(out)
+}
+
 /// Count the greedy outputs of `target` (named `model` in the file) on the first turns of `dataset`'s questions.
 pub fn from_outputs(target: &Target, model: &str, dataset: &str, num_prompts: Option<usize>, max_new_tokens: usize, out: &Path) -> Result<()> {
     let mut questions = crate::text::dataset::load(dataset)?;
