@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 frspec=$(scripts/frspec-bin.sh)
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
-[ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
+# The default preset ranks by ShareGPT's answers.
+[ -f "$cache/freq/sharegpt-smollm2.safetensors" ] || { scripts/fetch-assets.sh sharegpt brown && scripts/build-freq.sh "$frspec"; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$frspec" sweep --config sweeps/ci-regression.toml --out "$out/sweep" --quiet

@@ -163,12 +163,14 @@ pub fn preset(name: &str) -> Result<SweepSpec> {
     let ratios = Some(vec![0.0, 0.25, 0.5, 0.75, 0.9, 0.99]);
     Ok(match name {
         // Everything offline: the assets of scripts/fetch-assets.sh and scripts/build-freq.sh, and the shipped head.
-        // 20 prompts keep a CPU run near ten minutes.
+        // 20 prompts keep a CPU run near ten minutes. The keep sets rank ids by ShareGPT's answers, text of the kind
+        // the target writes: ranked by Brown's prose, pruning cost twenty times as much at ratio 0.5 on MT-Bench, a
+        // cost of the corpus rather than of pruning (results/freq/keep-sets.md).
         "smollm2-eagle" => SweepSpec {
             model: Some("smollm2".into()),
             draft: Some(SMOLLM2_HEAD.into()),
             draft_kind: Some("eagle".into()),
-            freq: Some("brown-smollm2".into()),
+            freq: Some("sharegpt-smollm2".into()),
             dataset: Some("mt-bench".into()),
             num_prompts: Some(20),
             max_new_tokens: Some(128),
@@ -176,13 +178,13 @@ pub fn preset(name: &str) -> Result<SweepSpec> {
             ..SweepSpec::default()
         },
         // The same sweep through the EAGLE-3 head: its ratios prune its own draft vocabulary further, keeping the
-        // draft ids that Brown's keep set holds.
+        // draft ids that the keep set holds.
         "smollm2-eagle3" => SweepSpec { draft: Some(SMOLLM2_EAGLE3_HEAD.into()), draft_kind: Some("eagle3".into()), ..preset("smollm2-eagle")? },
         "llama31-eagle" => SweepSpec {
             model: Some("meta-llama/Llama-3.1-8B-Instruct".into()),
             draft: Some("yuhuili/EAGLE-LLaMA3.1-Instruct-8B".into()),
             draft_kind: Some("eagle".into()),
-            freq: Some("brown-llama31-tokenizer".into()),
+            freq: Some("sharegpt-llama31-tokenizer".into()),
             dataset: Some("philschmid/mt-bench".into()),
             max_new_tokens: Some(256),
             ratios,
