@@ -507,6 +507,31 @@ fn teacher_data_is_reused_part_by_part() {
     let err = String::from_utf8_lossy(&done.stderr);
     assert!(!done.status.success() && err.contains("none of its teacher data"), "{err}");
     assert!(!third.exists(), "no partial output");
+    // Writing requests resumes from the progress a stopped run left (here one no run leaves, to see it used), and
+    // the progress file goes once all are written; a damaged one is one error naming it.
+    assert!(!first.join("self-prompts-progress.json").exists());
+    let progress = second.join("self-prompts-progress.json");
+    for (text, expected) in [
+        ("not json", "self-prompts-progress.json is damaged"),
+        (r#"{"attempts": 3, "requests": []}"#, "self-prompts-progress.json: 0 requests after 3 attempts is not where writing 2 in batches of 16 stops: it is damaged"),
+        (r#"{"attempts": 16, "requests": ["made up"]}"#, ""),
+    ] {
+        for part in ["self-prompts.json", "self-prompts.safetensors"] {
+            std::fs::remove_file(second.join(part)).unwrap();
+        }
+        std::fs::write(&progress, text).unwrap();
+        let (done, _) = run_with("second", "3", "2", "2", &[]);
+        let err = String::from_utf8_lossy(&done.stderr);
+        if expected.is_empty() {
+            assert!(done.status.success() && !progress.exists(), "{err}");
+        } else {
+            assert!(!done.status.success() && err.contains(expected) && err.lines().count() == 1, "{err}");
+            std::fs::copy(first.join("self-prompts.json"), second.join("self-prompts.json")).unwrap();
+            std::fs::copy(first.join("self-prompts.safetensors"), second.join("self-prompts.safetensors")).unwrap();
+        }
+    }
+    let requests: Vec<String> = serde_json::from_slice(&bytes(second.join("self-prompts.json"))).unwrap();
+    assert!(requests.len() == 2 && requests[0] == "made up" && !requests[1..].contains(&"made up".to_string()), "{requests:?}");
     // A damaged request file in a folder stops the run with one error naming it.
     for (text, expected) in [
         ("not json", "self-prompts.json is damaged"),

@@ -292,7 +292,7 @@ fn training_against_a_keep_set_learns_and_the_whole_vocabulary_as_keep_set_chang
 #[test]
 fn the_target_writes_its_own_requests_the_same_for_a_seed() {
     let (_dir, target, _) = setup();
-    let requests = |count, seed, max_tokens| train::self_prompts(&target, count, seed, max_tokens, &mut |_| Ok(()));
+    let requests = |count, seed, max_tokens| train::self_prompts(&target, count, seed, max_tokens, Default::default(), &mut |_| Ok(()));
     let a = requests(5, 7, 48).unwrap();
     assert_eq!(a, requests(5, 7, 48).unwrap());
     assert_ne!(a, requests(5, 8, 48).unwrap());
@@ -303,6 +303,43 @@ fn the_target_writes_its_own_requests_the_same_for_a_seed() {
     // No turn can end with a request in one token: one clear error, not an endless loop.
     let err = requests(2, 7, 1).unwrap_err().to_string();
     assert!(err.contains("wrote only 0 usable requests"), "{err}");
+}
+
+#[test]
+fn writing_requests_resumed_after_any_batch_writes_the_same_ones() {
+    let (_dir, target, _) = setup();
+    // More requests than one batch has attempts, so writing stops between batches at least once.
+    let count = 20;
+    let mut stops = Vec::new();
+    let all = train::self_prompts(&target, count, 7, 48, Default::default(), &mut |so_far| {
+        stops.push(so_far.clone());
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(all.len(), count);
+    let unfinished: Vec<&train::WrittenRequests> = stops.iter().filter(|s| s.requests.len() < count).collect();
+    assert!(unfinished.len() >= 2, "{} stops", stops.len());
+    for stop in unfinished {
+        assert_eq!(all[..stop.requests.len()], stop.requests[..]);
+        let mut told = Vec::new();
+        let resumed = train::self_prompts(&target, count, 7, 48, stop.clone(), &mut |so_far| {
+            told.push(so_far.attempts);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(resumed, all, "resumed after {} attempts", stop.attempts);
+        assert!(told.iter().all(|&a| a > stop.attempts), "{told:?}");
+    }
+    // A state no writing stops in is one error, before any decoding.
+    let first = stops.iter().find(|s| !s.requests.is_empty()).unwrap();
+    for bad in [
+        train::WrittenRequests { attempts: first.attempts + 1, ..first.clone() },
+        train::WrittenRequests { attempts: 0, ..first.clone() },
+        train::WrittenRequests { requests: vec!["same".into(), "same".into()], ..first.clone() },
+    ] {
+        let err = train::self_prompts(&target, count, 7, 48, bad, &mut |_| panic!("decoded")).unwrap_err().to_string();
+        assert!(err.contains("is not where writing 20 in batches of 16 stops"), "{err}");
+    }
 }
 
 #[test]

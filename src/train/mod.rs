@@ -33,7 +33,7 @@ mod ops;
 mod requests;
 mod run;
 mod teacher;
-pub use requests::{continuations, load_templates, prompts, self_prompts, sharegpt_follow_ups, sharegpt_prompts, SHAREGPT_MAX_PROMPT_TOKENS, TEMPLATES};
+pub use requests::{continuations, load_templates, prompts, self_prompts, sharegpt_follow_ups, sharegpt_prompts, WrittenRequests, SHAREGPT_MAX_PROMPT_TOKENS, TEMPLATES};
 pub use run::{train_eagle, TrainOptions, Trained};
 pub use teacher::{chat_answers, draft_vocabulary, forced, load_teacher, save_teacher, teacher_data, teacher_forced, Conversation, Halves};
 use requests::shuffled;

@@ -155,15 +155,43 @@ pub(super) fn shuffled(n: usize, rng: &mut ChaCha20Rng) -> Vec<usize> {
 /// the model was tuned on.
 const SELF_PROMPT_SAMPLING: Sampling = Sampling { temperature: 1.0, top_p: 1.0 };
 
+/// How far writing requests has got: the requests kept from the first `attempts` attempts, in order. Writing
+/// thousands takes an hour on 2 cores, so a run saves this between batches and resumes from it.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct WrittenRequests {
+    pub attempts: usize,
+    pub requests: Vec<String>,
+}
+
+impl WrittenRequests {
+    /// Whether writing `count` requests can stop here: after whole batches, no more requests than attempts, none twice.
+    pub fn check(&self, count: usize) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        if self.attempts % ANSWER_BATCH != 0 || self.requests.len() > self.attempts.min(count) || !self.requests.iter().all(|r| seen.insert(r)) {
+            bail!("{} requests after {} attempts is not where writing {count} in batches of {ANSWER_BATCH} stops", self.requests.len(), self.attempts);
+        }
+        Ok(())
+    }
+}
+
 /// `count` requests the target writes itself (Magpie): the chat up to the user's turn, continued by sampling until
-/// the turn ends. Attempt a draws from its own stream of `seed`, so a request does not depend on the batch it was
-/// decoded in; attempts that run past `max_tokens`, come out blank or repeat an earlier request are dropped. An error
-/// from `on_done`, told each request as it is kept, stops the writing.
-pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize, on_done: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<String>> {
+/// the turn ends, going on from `from`. Attempt a draws from its own stream of `seed`, so a request does not depend on
+/// the batch it was decoded in, nor on where writing was resumed; attempts that run past `max_tokens`, come out blank
+/// or repeat an earlier request are dropped. `on_batch` is told how far writing has got after each batch of attempts;
+/// an error from it stops the writing.
+pub fn self_prompts(
+    target: &Target,
+    count: usize,
+    seed: u64,
+    max_tokens: usize,
+    from: WrittenRequests,
+    on_batch: &mut dyn FnMut(&WrittenRequests) -> Result<()>,
+) -> Result<Vec<String>> {
     let tok = &target.tokenizer;
     let prefix = tok.user_turn_prefix()?;
-    let (mut out, mut seen) = (Vec::with_capacity(count), std::collections::HashSet::new());
-    let mut attempts = 0;
+    from.check(count)?;
+    let WrittenRequests { mut attempts, requests: mut out } = from;
+    let mut seen: std::collections::HashSet<String> = out.iter().cloned().collect();
     while out.len() < count {
         if attempts >= 4 * count + 64 {
             bail!("the target wrote only {} usable requests in {attempts} attempts (each must end its turn within {max_tokens} tokens and be new)", out.len());
@@ -180,10 +208,13 @@ pub fn self_prompts(target: &Target, count: usize, seed: u64, max_tokens: usize,
         for c in written.into_iter().filter(|c| c.stop == StopReason::EndOfTurn) {
             let request = tok.decode(&c.tokens[prefix.len()..c.tokens.len() - 1])?.trim().to_string();
             if out.len() < count && !request.is_empty() && seen.insert(request.clone()) {
-                on_done(&request)?;
                 out.push(request);
             }
         }
+        // Moved in and out rather than cloned: the requests grow to megabytes.
+        let so_far = WrittenRequests { attempts, requests: out };
+        on_batch(&so_far)?;
+        out = so_far.requests;
     }
     Ok(out)
 }

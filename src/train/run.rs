@@ -4,7 +4,7 @@
 
 use super::{
     chat_answers, checkpoint_due, continuations, draft_vocabulary, export, forced, load_teacher, prompts, save_teacher, self_prompts, sharegpt_follow_ups, sharegpt_prompts, teacher_data, teacher_forced,
-    Arch, Conversation, Head, KeepSet, State, StepLog, TrainSettings, Trainer, SHAREGPT_MAX_PROMPT_TOKENS,
+    Arch, Conversation, Head, KeepSet, State, StepLog, TrainSettings, Trainer, WrittenRequests, SHAREGPT_MAX_PROMPT_TOKENS,
 };
 use crate::loading::target::Target;
 use crate::text::chat::Message;
@@ -107,6 +107,8 @@ const SAVE_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
 const TEACHER_FILE: &str = "teacher.safetensors";
 const CONTINUATIONS_FILE: &str = "continuations.safetensors";
 const REQUESTS_FILE: &str = "self-prompts.json";
+/// How far writing them has got, while it is under way.
+const REQUESTS_PROGRESS_FILE: &str = "self-prompts-progress.json";
 const SELF_PROMPTED_FILE: &str = "self-prompts.safetensors";
 const SHAREGPT_FILE: &str = "sharegpt.safetensors";
 const SHAREGPT_FOLLOW_UPS_FILE: &str = "sharegpt-follow-ups.safetensors";
@@ -153,12 +155,14 @@ fn write_requests(path: &Path, requests: &[String]) -> Result<()> {
     crate::files::write_atomic(path, serde_json::to_string_pretty(requests)?.as_bytes())
 }
 
-/// The requests the target wrote itself, from their file or written now and saved. A file of fewer (a smaller run's,
-/// taken over) grows: all are written and its requests must come out first (checked as each is written, so a file
-/// that differs stops the run at its first difference, not after the hour all take). The file does not say which attempt
-/// ended it, so those are written again; writing costs about half of answering (0.26 s against 0.45 s a request on
-/// 2 cores), and the answers, the larger part, are kept.
+/// The requests the target wrote itself, from their file or written now and saved. Writing resumes from the progress
+/// file this run saves after each batch, so a stop loses at most one batch. A file of fewer (a smaller run's, taken
+/// over) grows: its requests must come out first (checked as each batch is written, so a file that differs stops the
+/// run at its first difference, not after the hour all take). That file does not say which attempt ended it, so those
+/// are written again; writing costs about half of answering (0.26 s against 0.45 s a request on 2 cores), and the
+/// answers, the larger part, are kept.
 fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result<Vec<String>> {
+    let progress_path = path.with_file_name(REQUESTS_PROGRESS_FILE);
     let before = if path.exists() { read_requests(path)? } else { Vec::new() };
     if before.len() == o.self_prompts {
         return Ok(before);
@@ -166,25 +170,43 @@ fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result
     if before.len() > o.self_prompts {
         bail!("{} holds {} requests, more than {}: it is damaged", path.display(), before.len(), o.self_prompts);
     }
-    if !before.is_empty() && plain(o.quiet) {
-        eprintln!("self-prompts: {} of {} cached, writing them again with the other {}", before.len(), o.self_prompts, o.self_prompts - before.len());
+    let progress: WrittenRequests = match std::fs::read_to_string(&progress_path) {
+        Ok(text) => serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", progress_path.display()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => WrittenRequests::default(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", progress_path.display())),
+    };
+    progress.check(o.self_prompts).map_err(|e| anyhow!("{}: {e}: it is damaged", progress_path.display()))?;
+    if plain(o.quiet) {
+        if progress.attempts > 0 {
+            eprintln!("self-prompts: {} of {} written before this run stopped, resuming after attempt {}", progress.requests.len(), o.self_prompts, progress.attempts);
+        } else if !before.is_empty() {
+            eprintln!("self-prompts: {} of {} cached, writing them again with the other {}", before.len(), o.self_prompts, o.self_prompts - before.len());
+        }
     }
     let b = bar(o.quiet, o.self_prompts, "self-prompts {bar:30} {pos}/{len} requests, ETA {eta}")?;
-    let started = Instant::now();
-    let requests = self_prompts(target, o.self_prompts, o.settings.seed, o.max_new_tokens, &mut |request| {
-        let i = b.position() as usize;
-        if before.get(i).is_some_and(|cached| cached != request) {
+    b.set_position(progress.requests.len() as u64);
+    let (started, mut checked) = (Instant::now(), 0);
+    let requests = self_prompts(target, o.self_prompts, o.settings.seed, o.max_new_tokens, progress, &mut |so_far| {
+        let new = checked..so_far.requests.len();
+        if let Some(i) = new.clone().find(|&i| before.get(i).is_some_and(|cached| *cached != so_far.requests[i])) {
             bail!("{}: its request {} is not the one the target writes now: it is damaged or was written another way", path.display(), i + 1);
         }
-        b.inc(1);
-        if plain(o.quiet) && b.position() % 50 == 0 {
-            eprintln!("self-prompts: {}/{} requests, {:.0} s", b.position(), o.self_prompts, started.elapsed().as_secs_f64());
+        if plain(o.quiet) && new.clone().any(|i| (i + 1) % 50 == 0) {
+            eprintln!("self-prompts: {}/{} requests, {:.0} s", new.end, o.self_prompts, started.elapsed().as_secs_f64());
+        }
+        b.set_position(new.end as u64);
+        checked = new.end;
+        if so_far.requests.len() < o.self_prompts {
+            crate::files::write_atomic(&progress_path, serde_json::to_string(so_far)?.as_bytes())?;
         }
         Ok(())
     })?;
     b.finish();
     write_requests(path, &requests)?;
-    Ok(requests)
+    match std::fs::remove_file(&progress_path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).with_context(|| format!("cannot remove {}", progress_path.display())),
+        _ => Ok(requests),
+    }
 }
 
 /// Conversations from their cache file, made by `make` (with progress) where the file holds fewer than `count` — a
