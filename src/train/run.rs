@@ -146,7 +146,8 @@ fn sharegpt_requests(o: &TrainOptions, target: &Target) -> Result<ShareGptReques
     Ok(ShareGptRequests { openings, follow_ups, file: path })
 }
 
-fn read_requests(path: &Path) -> Result<Vec<String>> {
+/// A JSON file this run or another wrote (requests, the progress writing them); unreadable, it is damaged.
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", path.display()))
 }
@@ -163,18 +164,14 @@ fn write_requests(path: &Path, requests: &[String]) -> Result<()> {
 /// answers, the larger part, are kept.
 fn cached_self_prompts(path: &Path, target: &Target, o: &TrainOptions) -> Result<Vec<String>> {
     let progress_path = path.with_file_name(REQUESTS_PROGRESS_FILE);
-    let before = if path.exists() { read_requests(path)? } else { Vec::new() };
+    let before: Vec<String> = if path.exists() { read_json(path)? } else { Vec::new() };
     if before.len() == o.self_prompts {
         return Ok(before);
     }
     if before.len() > o.self_prompts {
         bail!("{} holds {} requests, more than {}: it is damaged", path.display(), before.len(), o.self_prompts);
     }
-    let progress: WrittenRequests = match std::fs::read_to_string(&progress_path) {
-        Ok(text) => serde_json::from_str(&text).map_err(|e| anyhow!("{} is damaged: {e}", progress_path.display()))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => WrittenRequests::default(),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", progress_path.display())),
-    };
+    let progress: WrittenRequests = if progress_path.exists() { read_json(&progress_path)? } else { WrittenRequests::default() };
     progress.check(o.self_prompts).map_err(|e| anyhow!("{}: {e}: it is damaged", progress_path.display()))?;
     if plain(o.quiet) {
         if progress.attempts > 0 {
@@ -303,7 +300,7 @@ fn take_over(from: &Path, to: &Path, take: Option<usize>, hidden: usize) -> Resu
     };
     let short = || anyhow!("{} holds fewer than the {n} its run.json promises: it is damaged", from.display());
     if from.ends_with(REQUESTS_FILE) {
-        write_requests(to, read_requests(from)?.get(..n).ok_or_else(short)?)
+        write_requests(to, read_json::<Vec<String>>(from)?.get(..n).ok_or_else(short)?)
     } else {
         save_teacher(to, load_teacher(from, hidden)?.get(..n).ok_or_else(short)?, hidden)
     }
