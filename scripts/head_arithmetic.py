@@ -20,6 +20,7 @@ import pathlib
 import sys
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 VOCAB_MAPS = ("d2t", "t2d")
@@ -27,7 +28,10 @@ VOCAB_MAPS = ("d2t", "t2d")
 
 def load(folder):
     folder = pathlib.Path(folder)
-    return load_file(folder / "model.safetensors"), json.loads((folder / "config.json").read_text())
+    try:
+        return load_file(folder / "model.safetensors"), json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, SafetensorError) as e:
+        sys.exit(f"{folder}: not a head folder as train-eagle writes them ({e})")
 
 
 def target_ids(tensors):
@@ -51,6 +55,8 @@ def save(folder, tensors, config, ids):
 
 def widen(head, whole, freq, size, out, mapped):
     trained, config = load(head)
+    if not len(trained["d2t"]) <= size <= len(trained["t2d"]):
+        sys.exit(f"widen: SIZE {size} must lie between the head's {len(trained['d2t'])} draft ids and the vocabulary's {len(trained['t2d'])}")
     target_rows = load(whole)[0]["lm_head.weight"].astype(np.float64)
     if len(target_rows) != len(trained["t2d"]):
         sys.exit(f"{whole}: its LM head has {len(target_rows)} rows, not the target's {len(trained['t2d'])}")
@@ -63,7 +69,11 @@ def widen(head, whole, freq, size, out, mapped):
         cos = (fit * rows).sum(1) / np.linalg.norm(fit, axis=1) / np.linalg.norm(rows, axis=1)
         print(f"map: median cosine of mapped target rows to trained rows {np.median(cos):.3f}")
         target_rows = target_rows @ m
-    ranked = load_file(freq)
+    try:
+        ranked = load_file(freq)
+        ranked["ids"], ranked["counts"]
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        sys.exit(f"{freq}: not a frequency file as `frspec freq build` writes them ({e})")
     counts = np.zeros(len(target_rows))
     counts[ranked["ids"]] = ranked["counts"]
     ids = set(old.tolist())
@@ -79,8 +89,19 @@ def widen(head, whole, freq, size, out, mapped):
     save(out, tensors, config, ids)
 
 
+def weighted(part):
+    weight, sep, head = part.partition("=")
+    try:
+        weight = float(weight)
+    except ValueError:
+        sep = ""
+    if not sep:
+        sys.exit(f"mix: {part!r} is not WEIGHT=HEAD")
+    return weight, load(head)
+
+
 def mix(out, parts):
-    heads = [(float(w), load(h)) for w, h in (p.split("=", 1) for p in parts)]
+    heads = [weighted(p) for p in parts]
     first, config = heads[0][1]
     for _, (tensors, _) in heads:
         if not np.array_equal(tensors["d2t"], first["d2t"]):
@@ -91,7 +112,7 @@ def mix(out, parts):
 
 def main(args):
     match args:
-        case ["widen", head, whole, freq, size, out, *rest] if rest in ([], ["--map"]):
+        case ["widen", head, whole, freq, size, out, *rest] if rest in ([], ["--map"]) and size.isdigit():
             widen(head, whole, freq, int(size), out, rest == ["--map"])
         case ["mix", out, *parts] if parts:
             mix(out, parts)
