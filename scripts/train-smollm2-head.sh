@@ -38,7 +38,9 @@
 # in ≈ 6,900 s at ≈ 1.25 s), +0.102, 1.964; then a second epoch over the same (5,533 steps, the last 5,033 in 5,595 s
 # after a resume, ≈ 1.1 s a step nearly alone on a 2-core AMD EPYC Zen 4), +0.081, 2.045; then one epoch over all of
 # it and 5,200 more self-prompted requests (8,000; ≈ 0.29 s each to answer on that Zen 4; 6,833 steps in 7,581 s),
-# +0.053, 2.099; then a second epoch over the same (6,833 steps in 7,778 s), +0.034, 2.132. Packed in Q8_0 (frspec pack-head); each
+# +0.053, 2.099; then a second epoch over the same (6,833 steps in 7,778 s), +0.034, 2.132; then one epoch over all
+# of it and 2,400 more Brown prompts and 1,500 more continuations (7,808 steps in 8,707 s), +0.041, 2.173.
+# Packed in Q8_0 (frspec pack-head); each
 # stage from the third starts from the head before packed, as shipped and measured. Since 2026-12-06, when the
 # eighth stage ran, a step over the seventh stage's data takes ≈ 0.8 of its time then
 # (results/train/training-speed-2026-12-06.md).
@@ -59,7 +61,7 @@ shift || true
 cache="${FRSPEC_CACHE:-$HOME/.cache/frspec}"
 [ -f "$cache/freq/brown-smollm2.safetensors" ] || scripts/build-freq.sh "$frspec"
 [ -f "$cache/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json" ] || scripts/fetch-assets.sh sharegpt
-# EAGLE-1's recipe has four stages, EAGLE-3's eleven; each after the first starts from the head before with fresh
+# EAGLE-1's recipe has four stages, EAGLE-3's twelve; each after the first starts from the head before with fresh
 # optimizer moments and a schedule of its own (--init-from).
 case $arch in
   eagle1) run="$cache/train/smollm2-135m-eagle1-keep75-p2400-c1500-sp2800"
@@ -75,7 +77,7 @@ case $arch in
           later_stages=("sg3600-q8 0 0 3600 0 0" "sg8800-q8 0 0 8800 0 0" "sg8800-sp2800-q8 0 0 8800 2800 0" "p2400-c1500-q8 2400 1500 8800 2800 0"
                         "p2400-c1500-q8-2ep 2400 1500 8800 2800 0" "fu6633-q8 2400 1500 8800 2800 6633"
                         "fu6633-q8-2ep 2400 1500 8800 2800 6633" "sp8000-q8 2400 1500 8800 8000 6633"
-                        "sp8000-q8-2ep 2400 1500 8800 8000 6633") ;;
+                        "sp8000-q8-2ep 2400 1500 8800 8000 6633" "p4800-c3000-q8 4800 3000 8800 8000 6633") ;;
 esac
 start=$(date +%s)
 train() {
